@@ -1,0 +1,554 @@
+"""Capture a model's graph on the meta device and turn it into the layer IR.
+
+Transformers repeat one block many times, and tracing time grows with depth (about 0.2 s per layer with
+torch.export at GPT-3 scale), so capture finds the repeated container (an nn.ModuleList / nn.Sequential of
+structurally identical blocks), cuts it to its first block, captures that model (embedding + one block + head +
+loss) and replicates the block's costs. When blocks differ, or the cut model does not run, the whole model is
+captured. symbolic_trace is tried first as the fast path; real model code (shape control flow, optional targets)
+usually needs torch.export's non-strict mode, which is the fallback. Nothing is decomposed: attention stays one
+scaled_dot_product_attention op rather than a materialised seq x seq score matrix.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx
+from torch import nn
+
+from mlm.planner.errors import ModelLoadError, TraceError
+from mlm.planner.graph import Activations, LayerIR, LinearOp, ModelIR
+from mlm.planner.loader import ModelSpec, instantiate
+from mlm.planner.ops import OpCost, classify, nbytes, op_name, val
+from mlm.planner.training_step import TrainingModule, default_batch, first_embedding_vocab
+
+ROOT = "model"  # the user model's path inside TrainingModule
+LOSS_LAYER = "loss"
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """The repeated container: its FQN and the names of its children, in order."""
+
+    fqn: str
+    children: tuple[str, ...]
+
+
+def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", replicate: bool = True) -> ModelIR:
+    """Build `spec` without weights and capture it into a ModelIR (costs for one sample of `seq_len` tokens)."""
+    start = time.perf_counter()
+    model = build_meta(spec)
+    num_params = count_params(model)
+    facts = architecture_facts(model)
+    seq = seq_len or facts["seq_len"]
+    group = find_block_group(model)
+    cut = group is not None and replicate and len(group.children) > 1
+    ir = None
+    if cut:
+        assert group is not None
+        try:
+            ir = _capture_graph(spec, cut_to_first_block(model, group), group, seq, method)
+        except TraceError:
+            ir = None  # the cut model does not run (e.g. it indexes blocks by config.n_layer): capture whole
+    if ir is None:
+        ir = _capture_graph(spec, model, group, seq, method)
+        cut = False
+    layers, how = ir
+    if cut:
+        assert group is not None
+        layers = replicate_blocks(layers, group)
+        how += f" (one block, replicated x{len(group.children)})"
+    tied = _has_tied_embedding(model)
+    return ModelIR(layers=tuple(layers), num_params=num_params, seq_len=seq, hidden_size=facts["hidden_size"],
+                   num_heads=facts["num_heads"], num_kv_heads=facts["num_kv_heads"], vocab_size=facts["vocab_size"],
+                   capture_method=how, capture_seconds=time.perf_counter() - start, tied_embeddings=tied)
+
+
+def build_meta(spec: ModelSpec) -> nn.Module:
+    """Instantiate on the meta device; where model code breaks there (.item(), .cuda()), try FakeTensorMode."""
+    try:
+        model = instantiate(spec, "meta")
+    except ModelLoadError as meta_error:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model = instantiate(spec, "cpu")
+        except ModelLoadError:
+            raise meta_error from None
+    return model.to(torch.bfloat16)  # count activations at the training precision (bf16 mixed precision)
+
+
+def count_params(model: nn.Module) -> int:
+    """Exact parameter count; tied parameters count once, as in sum(p.numel() for p in model.parameters())."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _has_tied_embedding(model: nn.Module) -> bool:
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen and seen[id(p)] != name:
+            return True
+        seen[id(p)] = name
+    return False
+
+
+def architecture_facts(model: nn.Module) -> dict[str, int]:
+    """Hidden size, heads, vocabulary and sequence length from the usual config names and the first embedding."""
+    cfg = getattr(model, "config", None)
+
+    sources = [cfg, *model.modules()]  # a config object first, then attributes such as Block.n_head
+
+    def pick(*names: str, default: int = 0) -> int:
+        for source in sources:
+            for name in names:
+                value = getattr(source, name, None) if source is not None else None
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    return value
+        return default
+
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    hidden = pick("n_embd", "hidden_size", "dim", "d_model", "embed_dim",
+                  default=emb.embedding_dim if emb is not None else 0)
+    heads = pick("n_head", "num_attention_heads", "n_heads", "num_heads", default=1)
+    return {
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "num_kv_heads": pick("n_kv_heads", "num_key_value_heads", "n_kv_head", default=heads),
+        "vocab_size": pick("vocab_size", "n_vocab", default=emb.num_embeddings if emb is not None else 0),
+        "seq_len": pick("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len",
+                        default=2048),
+    }
+
+
+def find_block_group(model: nn.Module) -> BlockGroup | None:
+    """The largest nn.ModuleList / nn.Sequential whose children are structurally identical (same type and the
+    same parameter names and shapes)."""
+    best: tuple[int, BlockGroup] | None = None
+    for fqn, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        signatures = {_signature(child) for _, child in children}
+        if len(signatures) != 1 or not next(iter(signatures))[1]:
+            continue
+        weight = sum(p.numel() for p in module.parameters())
+        if best is None or weight > best[0]:
+            best = (weight, BlockGroup(fqn, tuple(name for name, _ in children)))
+    return best[1] if best else None
+
+
+def _signature(module: nn.Module) -> tuple[type, tuple[tuple[str, tuple[int, ...]], ...]]:
+    return type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+
+
+def cut_to_first_block(model: nn.Module, group: BlockGroup) -> nn.Module:
+    """The same model object with the repeated container holding only its first block (meta: costs nothing)."""
+    container = model.get_submodule(group.fqn)
+    first = group.children[0]
+    for name in group.children[1:]:
+        delattr(container, name)
+    assert list(dict(container.named_children())) == [first]
+    return model
+
+
+def _example_batch(spec: ModelSpec, model: nn.Module, seq: int) -> tuple[Any, torch.Tensor]:
+    if spec.example_inputs is not None:
+        with torch.device("meta"):
+            example = spec.example_inputs(1, seq)
+        if isinstance(example, tuple) and len(example) == 2:
+            return example
+        ref = example if isinstance(example, torch.Tensor) else next(iter(example.values()))
+        return example, torch.zeros(ref.shape[:2], dtype=torch.long, device="meta")
+    try:
+        return default_batch(model, 1, seq, "meta")
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+
+
+def _capture_graph(spec: ModelSpec, model: nn.Module, group: BlockGroup | None, seq: int,
+                   method: str) -> tuple[list[LayerIR], str]:
+    wrapper = TrainingModule(model, spec.loss_fn)
+    batch = _example_batch(spec, model, seq)
+    errors = []
+    if method in ("auto", "symbolic_trace"):
+        try:
+            graph, params = _symbolic_trace(wrapper, batch)
+            return build_layers(graph, params, model, group, seq), "symbolic_trace"
+        except Exception as e:  # symbolic_trace fails on most real models; it is only the fast path
+            errors.append(f"symbolic_trace: {type(e).__name__}: {_first_line(e)}")
+            if method == "symbolic_trace":
+                raise TraceError(f"torch.fx.symbolic_trace could not capture the model: {errors[-1]}") from None
+    try:
+        with _quiet():
+            program = torch.export.export(wrapper, batch, strict=False)
+    except Exception as e:  # tracer errors come in many types; report the user's construct and line
+        raise TraceError(f"neither tracer could capture the model: torch.export: {type(e).__name__}: "
+                         f"{_first_line(e)}{_user_location(e, spec)}") from None
+    graph = program.graph
+    sig = program.graph_signature
+    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
+    params = {n: names[n.name] for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    return build_layers(graph, params, model, group, seq), "torch.export (non-strict)"
+
+
+def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tuple[torch.fx.Graph, dict]:
+    """symbolic_trace through every module (no leaves), then run it on meta tensors to attach shapes."""
+
+    class _ThroughTracer(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return False
+
+    graph = _ThroughTracer().trace(wrapper)
+    module = torch.fx.GraphModule(wrapper, graph)
+
+    class _ShapeRecorder(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            result = super().run_node(n)
+            n.meta["val"] = result
+            return result
+
+    inputs, targets = batch
+    if not isinstance(inputs, torch.Tensor):
+        raise TypeError("fast path handles a single tensor input only")
+    _ShapeRecorder(module).run(inputs, targets)
+    params = {n: str(n.target) for n in graph.nodes if n.op == "get_attr"}
+    return graph, params
+
+
+def build_layers(graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model: nn.Module,
+                 group: BlockGroup | None, seq: int) -> list[LayerIR]:
+    """Group graph nodes into layers and sum each layer's costs."""
+    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")
+             and op_name(n) != "_assert_tensor_metadata"]
+    owner = assign_layers(calls, group)
+    is_param = set(params)
+    costs = {n: classify(n, is_param) for n in calls}
+    tags = region_tags(calls, costs, is_param)
+    dependent = _input_dependent(graph, is_param)
+    order = list(dict.fromkeys(owner[n] for n in calls))
+    layer_params = _params_by_layer(model, order)
+    layers = []
+    for name in order:
+        nodes = [n for n in calls if owner[n] == name]
+        layers.append(_layer_ir(name, nodes, owner, costs, tags, params, is_param | (set(calls) - dependent),
+                                layer_params.get(name, 0), group, seq))
+    return layers
+
+
+def _input_dependent(graph: torch.fx.Graph, is_param: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Nodes computed from the batch. Others (causal masks, rotary tables) are per-layer constants: they are
+    neither activations that grow with the micro-batch nor counted as such."""
+    dependent: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder" and n not in is_param:
+            dependent.add(n)
+        elif any(a in dependent for a in _inputs(n)):
+            dependent.add(n)
+    return dependent
+
+
+def assign_layers(calls: list[torch.fx.Node], group: BlockGroup | None) -> dict[torch.fx.Node, str]:
+    """Layer of each call: the block ('<container>.<i>') it runs in, else the outermost module on its stack that
+    is not an ancestor of the block container; ops at the root join the layer before them (or, before any
+    layer, the one after), and ops after the last module-owned op form the 'loss' layer."""
+    container = group.fqn if group else None
+    direct: dict[torch.fx.Node, str | None] = {n: _layer_of(n, container) for n in calls}
+    last_owned = max((i for i, n in enumerate(calls) if direct[n] is not None), default=-1)
+    owner: dict[torch.fx.Node, str] = {}
+    previous: str | None = None
+    pending: list[torch.fx.Node] = []
+    for i, n in enumerate(calls):
+        layer = direct[n]
+        if i > last_owned:
+            owner[n] = LOSS_LAYER
+        elif layer is None:
+            if previous is None:
+                pending.append(n)
+            else:
+                owner[n] = previous
+        else:
+            for p in pending:
+                owner[p] = layer
+            pending.clear()
+            owner[n] = previous = layer
+    for p in pending:
+        owner[p] = LOSS_LAYER
+    return owner
+
+
+def _layer_of(node: torch.fx.Node, container: str | None) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in stack.values():
+        fqn = _strip_root(_clean_path(str(path)))
+        if not fqn:
+            continue
+        if container is not None:
+            if fqn.startswith(container + "."):
+                return container + "." + fqn[len(container) + 1:].split(".")[0]
+            if container == fqn or container.startswith(fqn + "."):
+                continue
+        return fqn
+    return None
+
+
+def _clean_path(path: str) -> str:
+    """Normalise stack paths such as "L['self'].model.layers[0]" or "layers.slice(None, 2, None).0"."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\.slice\([^)]*\)", "", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    return path.strip(".")
+
+
+def _strip_root(path: str) -> str:
+    if path == ROOT:
+        return ""
+    return path[len(ROOT) + 1:] if path.startswith(ROOT + ".") else path
+
+
+def region_tags(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost],
+                is_param: set[torch.fx.Node]) -> dict[torch.fx.Node, str]:
+    """'S' for tensors inside a tensor-parallel region, 'R' for the residual stream.
+
+    Megatron's pattern, which the TP search rediscovers: a linear reading the residual stream is split by columns
+    (its output is sharded), a linear reading a sharded tensor is split by rows (its output, once all-reduced, is
+    replicated); everything else is sharded when any input is. The embedding produces the residual stream.
+    """
+    tags: dict[torch.fx.Node, str] = {}
+    for n in calls:
+        inside = any(tags.get(a) == "S" for a in _inputs(n) if a not in is_param)
+        kind = costs[n].kind
+        if kind == "linear":
+            tags[n] = "R" if inside else "S"
+        elif kind == "embedding":
+            tags[n] = "R"
+        else:
+            tags[n] = "S" if inside else "R"
+    return tags
+
+
+def _inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found
+
+
+def _base(n: torch.fx.Node) -> torch.fx.Node:
+    """Follow view-like ops back to the tensor whose storage they share (what a saved view keeps alive)."""
+    while n.op in ("call_function", "call_method") and op_name(n) in _ALIASING and _inputs(n):
+        n = _inputs(n)[0]
+    return n
+
+
+_ALIASING = frozenset({"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "split",
+                       "split_with_sizes", "chunk", "getitem", "unsqueeze", "squeeze", "flatten", "unflatten",
+                       "slice", "select", "narrow", "alias", "detach", "unbind", "view_as", "expand_as", "movedim"})
+
+
+def _params_by_layer(model: nn.Module, order: list[str]) -> dict[str, int]:
+    seen: set[int] = set()
+    counts: dict[str, int] = {}
+    modules = dict(model.named_modules())
+    for name in order:
+        module = modules.get(name)
+        if module is None:
+            continue
+        total = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        counts[name] = total
+    return counts
+
+
+def _layer_ir(name: str, nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, str],
+              costs: dict[torch.fx.Node, OpCost], tags: dict[torch.fx.Node, str], params: dict[torch.fx.Node, str],
+              is_param: set[torch.fx.Node], num_params: int, group: BlockGroup | None, seq: int) -> LayerIR:
+    flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0}
+    moved = 0.0
+    saved: dict[torch.fx.Node, None] = {}
+    extra = {"S": 0.0, "R": 0.0, "core": 0.0}
+    linears: list[LinearOp] = []
+    member = set(nodes)
+    for n in nodes:
+        c = costs[n]
+        if c.kind == "linear":
+            flops["mm"] += c.flops
+            linears.append(_linear_op(n, params, name))
+        elif c.kind in ("attention", "matmul"):
+            flops["attn"] += c.flops
+        else:
+            flops["elt"] += c.flops
+            if c.kind == "embedding":
+                linears.append(_embedding_op(n, params, name))
+        moved += c.bytes_moved
+        for s in c.saved:
+            saved[_base(s)] = None
+        extra[tags[n]] += c.extra_saved_bytes
+        if tags[n] == "S" and _is_score_matrix(val(n), seq):
+            extra["core"] += c.extra_saved_bytes  # e.g. the attention-dropout mask
+    acts = {"S": extra["S"], "R": extra["R"], "core": extra["core"]}
+    for s in saved:
+        if s in is_param or s.op == "get_attr":
+            continue
+        b = nbytes(val(s))
+        acts[tags.get(s, "R")] += b
+        if tags.get(s) == "S" and _is_score_matrix(val(s), seq):
+            acts["core"] += b
+    inputs = {_base(a) for n in nodes for a in _inputs(n)
+              if a not in member and a not in is_param and val(a) is not None and a.op != "get_attr"}
+    outputs = [n for n in nodes if any(owner.get(u) not in (None, name) for u in n.users)]
+    kind = _layer_kind(name, group, costs, nodes)
+    in_block = group is not None and name.startswith(group.fqn + ".")
+    return LayerIR(
+        name=name, kind=kind, params=num_params, flops_matmul=flops["mm"], flops_attention=flops["attn"],
+        flops_elementwise=flops["elt"], bytes_moved=moved,
+        activations=Activations(sharded=acts["S"], replicated=acts["R"], attn_core=acts["core"],
+                                layer_input=sum(nbytes(val(a)) for a in inputs)),
+        output_bytes=sum(nbytes(val(o)) for o in outputs), linears=tuple(linears),
+        block_group=group.fqn if in_block else None, ops=_op_graph(nodes, costs, params, name))
+
+
+def _is_score_matrix(t: torch.Tensor | None, seq: int) -> bool:
+    return t is not None and t.dim() >= 4 and t.shape[-1] == seq and t.shape[-2] == seq
+
+
+def _layer_kind(name: str, group: BlockGroup | None, costs: dict[torch.fx.Node, OpCost],
+                nodes: list[torch.fx.Node]) -> str:
+    if group is not None and name.startswith(group.fqn + "."):
+        return "block"
+    if name == LOSS_LAYER:
+        return "loss"
+    kinds = {costs[n].kind for n in nodes}
+    if "embedding" in kinds:
+        return "embedding"
+    if "linear" in kinds:
+        return "head"
+    if "norm" in kinds or "norm" in name.rsplit(".", 1)[-1].lower():
+        return "norm"
+    return "other"
+
+
+def _param_module(param_fqn: str) -> str:
+    return _strip_root(param_fqn).rsplit(".", 1)[0]
+
+
+def _linear_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
+    args = [a for a in _inputs(n) if val(a) is not None]
+    weight = next(a for a in args if a in params and val(a) is not None and val(a).dim() == 2)
+    w = val(weight)
+    assert w is not None
+    module = _module_of(n) or _param_module(params[weight])
+    if op_name(n) == "linear":
+        out_f, in_f = w.shape
+    else:  # mm / addmm / matmul(x, W) as in HF's Conv1D: W is (in, out)
+        in_f, out_f = w.shape
+    has_bias = op_name(n) in ("addmm",) or (op_name(n) == "linear" and len(args) > 2)
+    out = val(n)
+    rows = int(out.numel() // out.shape[-1]) if out is not None else 0
+    return LinearOp(fqn=module, kind="linear", in_features=int(in_f), out_features=int(out_f), has_bias=has_bias,
+                    rows=rows)
+
+
+def _embedding_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
+    weight = next(a for a in _inputs(n) if a in params)
+    w = val(weight)
+    assert w is not None
+    out = val(n)
+    rows = int(out.numel() // out.shape[-1]) if out is not None else 0
+    return LinearOp(fqn=_module_of(n) or _param_module(params[weight]), kind="embedding",
+                    in_features=int(w.shape[0]), out_features=int(w.shape[1]), has_bias=False, rows=rows)
+
+
+def _module_of(n: torch.fx.Node) -> str | None:
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, _ = list(stack.values())[-1]
+    return _strip_root(_clean_path(str(path))) or None
+
+
+def _op_graph(nodes: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], params: dict[torch.fx.Node, str],
+              layer: str) -> nx.DiGraph:
+    """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on."""
+    g = nx.DiGraph()
+    member = set(nodes)
+    for n in nodes:
+        c = costs[n]
+        if c.kind in ("view", "creation"):
+            continue
+        t = val(n)
+        g.add_node(n.name, kind=c.kind, op=op_name(n), module=_module_of(n), flops=c.flops,
+                   shape=tuple(t.shape) if t is not None else (), bytes=nbytes(t),
+                   weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None))
+        for src in _compute_sources(n, costs, member):
+            g.add_edge(src.name, n.name)
+    return g
+
+
+def _compute_sources(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node]
+                     ) -> Iterator[torch.fx.Node]:
+    """The nearest compute ops feeding n, looking through views."""
+    stack = list(_inputs(n))
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen or a not in member:
+            continue
+        seen.add(a)
+        if costs[a].kind in ("view",):
+            stack.extend(_inputs(a))
+        elif costs[a].kind != "creation":
+            yield a
+
+
+def replicate_blocks(layers: list[LayerIR], group: BlockGroup) -> list[LayerIR]:
+    """Expand the single captured block into one layer per child of the container, renaming FQNs."""
+    first = f"{group.fqn}.{group.children[0]}"
+    idx = next(i for i, layer in enumerate(layers) if layer.name == first)
+    block = layers[idx]
+    copies = []
+    for child in group.children:
+        name = f"{group.fqn}.{child}"
+        linears = tuple(replace(op, fqn=name + op.fqn[len(first):]) if op.fqn.startswith(first) else op
+                        for op in block.linears)
+        copies.append(replace(block, name=name, linears=linears))
+    return layers[:idx] + copies + layers[idx + 1:]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+def _user_location(e: BaseException, spec: ModelSpec) -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        if frame.filename == str(spec.path):
+            return f" ({spec.path.name}:{frame.lineno}: {frame.line})"
+    return ""
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export logs guards and prints the partial graph when it fails; the CLI prints its own summary."""
+    import contextlib
+    import io
+    import logging
+
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)

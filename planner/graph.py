@@ -1,0 +1,102 @@
+"""The graph IR: an ordered list of layers with the costs the planner needs.
+
+All per-sample quantities are for one sequence (micro-batch 1) of the captured sequence length; FLOPs and
+activations of a transformer are linear in the micro-batch, so the cost model scales them. Activation bytes are
+counted at the training precision (2 bytes per float element for bf16 mixed precision).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import networkx as nx
+
+LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
+
+
+@dataclass(frozen=True)
+class LinearOp:
+    """One nn.Linear-like matmul (or embedding lookup) inside a layer, as captured."""
+
+    fqn: str  # module path of the owning nn.Linear / nn.Embedding, relative to the model root
+    kind: Literal["linear", "embedding"]
+    in_features: int  # embedding: the vocabulary size
+    out_features: int  # embedding: the embedding dimension
+    has_bias: bool
+    rows: int  # tokens per sample that pass through it (seq_len for a transformer)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes saved for backward, per sample, split by how tensor/sequence parallelism shards them.
+
+    sharded:    inside the tensor-parallel region (between a colwise and a rowwise linear): divided by tp.
+    replicated: on the residual stream (norm inputs, dropout masks, linear inputs after a norm): replicated under
+                tp, divided by tp under sequence parallelism.
+    attn_core:  the part of `sharded` produced inside the attention core (tensors with a seq x seq extent):
+                dropped by selective recompute (Korthikanti et al. 2022, Sec. 4.2).
+    layer_input: the layer's input, the only thing kept under full recompute (sequence-sharded under SP).
+    """
+
+    sharded: float = 0.0
+    replicated: float = 0.0
+    attn_core: float = 0.0
+    layer_input: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.sharded + self.replicated
+
+
+@dataclass(frozen=True)
+class LayerIR:
+    """One layer of the model in execution order (embedding, each block, final norm, head, loss)."""
+
+    name: str  # module FQN ("transformer.h.3"), or "loss" for the loss computation
+    kind: LayerKind
+    params: int  # parameters owned by this layer (tied parameters counted once, at first use)
+    flops_matmul: float  # forward FLOPs of linears (2*m*n*k), per sample
+    flops_attention: float  # forward FLOPs of attention score and value products, per sample
+    flops_elementwise: float  # forward FLOPs of everything else (one per output element), per sample
+    bytes_moved: float  # bytes read+written by memory-bound (non-matmul) ops, per sample
+    activations: Activations
+    output_bytes: float  # bytes of the layer's output per sample (what a pipeline stage boundary sends)
+    linears: tuple[LinearOp, ...] = ()
+    block_group: str | None = None  # FQN of the repeated container (e.g. "transformer.h") for blocks
+    ops: nx.DiGraph | None = field(default=None, compare=False, repr=False, hash=False)
+
+    @property
+    def flops_forward(self) -> float:
+        return self.flops_matmul + self.flops_attention + self.flops_elementwise
+
+
+@dataclass(frozen=True)
+class ModelIR:
+    """The captured model: layers in order plus the facts the planner reads from the architecture."""
+
+    layers: tuple[LayerIR, ...]
+    num_params: int  # exact sum(p.numel()) over unique parameters of the whole model
+    seq_len: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    capture_method: str  # "symbolic_trace" | "export" (+ " (one block, replicated xN)")
+    capture_seconds: float
+    tied_embeddings: bool = False
+
+    @property
+    def blocks(self) -> tuple[LayerIR, ...]:
+        return tuple(layer for layer in self.layers if layer.kind == "block")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def flops_forward_per_sample(self) -> float:
+        return sum(layer.flops_forward for layer in self.layers)
+
+    def model_flops_per_token(self) -> float:
+        """Training FLOPs per token without recompute (forward + 2x backward), as MFU counts them."""
+        return 3.0 * self.flops_forward_per_sample / self.seq_len

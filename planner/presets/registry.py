@@ -1,0 +1,49 @@
+"""Built-in presets: a name maps to a model.py-style file in this folder plus its default arguments.
+
+Sources: GPT-2 124M (Radford et al. 2019, nanoGPT's config); GPT-3 175B (Brown et al. 2020, Table 2.1, with
+V=51200 and s=2048 as in Narayanan et al. 2021); Llama 3 8B/70B/405B (Llama Team 2024, "The Llama 3 Herd of
+Models", Table 3); megatron-* are the rows of Narayanan et al. 2021 Table 1 (s=2048, V=51200).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    file: str  # file name inside mlm/planner/presets
+    args: dict[str, Any] = field(default_factory=dict)
+    global_batch: int = 512  # the batch the source trained with, used when --global-batch is not given
+    description: str = ""
+
+
+def _megatron(heads: int, hidden: int, layers: int, batch: int, label: str) -> Preset:
+    return Preset("gpt.py", dict(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=51200, block_size=2048,
+                                 bias=True), batch, f"Megatron-LM {label} GPT (Narayanan et al. 2021, Table 1)")
+
+
+def _llama(dim: int, layers: int, heads: int, ffn: int, batch: int, label: str) -> Preset:
+    return Preset("llama.py", dict(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8, vocab_size=128256,
+                                   ffn_dim=ffn, max_seq_len=8192), batch, f"Llama 3 {label} (Llama Team 2024)")
+
+
+PRESETS: dict[str, Preset] = {
+    "gpt2": Preset("gpt.py", dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024), 512,
+                   "GPT-2 124M (nanoGPT configuration)"),
+    "gpt3-175b": Preset("gpt.py", dict(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048),
+                        1536, "GPT-3 175B (Brown et al. 2020; V=51200, s=2048 as in Narayanan et al. 2021)"),
+    "llama3-8b": _llama(4096, 32, 32, 14336, 512, "8B"),
+    "llama3-70b": _llama(8192, 80, 64, 28672, 1024, "70B"),
+    "llama3-405b": _llama(16384, 126, 128, 53248, 2048, "405B"),
+    "megatron-1.7b": _megatron(24, 2304, 24, 512, "1.7B"),
+    "megatron-3.6b": _megatron(32, 3072, 30, 512, "3.6B"),
+    "megatron-7.5b": _megatron(32, 4096, 36, 512, "7.5B"),
+    "megatron-18.4b": _megatron(48, 6144, 40, 1024, "18.4B"),
+    "megatron-39.1b": _megatron(64, 8192, 48, 1536, "39.1B"),
+    "megatron-76.1b": _megatron(80, 10240, 60, 1792, "76.1B"),
+    "megatron-145.6b": _megatron(96, 12288, 80, 2304, "145.6B"),
+    "megatron-310.1b": _megatron(128, 16384, 96, 2160, "310.1B"),
+    "megatron-529.6b": _megatron(128, 20480, 105, 2520, "529.6B"),
+    "megatron-1t": _megatron(160, 25600, 128, 3072, "1T"),
+}

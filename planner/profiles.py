@@ -1,0 +1,329 @@
+"""GPU and cluster profiles: frozen dataclasses loaded from TOML (presets in the mlm.profiles package, or a path).
+
+Pure: no torch. Hardware numbers live only in profiles/gpus/*.toml and profiles/clusters/*.toml; this module knows
+the key sets, checks them strictly, and interpolates the efficiency curves for the cost model.
+
+Conventions the curves use (the TOML files say the same):
+  - GEMM size is the geometric mean of m, n, k: `gemm_size(m, n, k) = (m*n*k) ** (1/3)`.
+  - Attention efficiency is for causal F.scaled_dot_product_attention, forward + backward, with FLOPs counted as
+    7*b*h*s^2*d (forward 2*b*h*s^2*d after the causal halving, backward 2.5x forward), over the dense bf16 peak.
+  - Curves are piecewise linear in log(x), clamped at both ends.
+
+A reference to a profile is a preset name ("h100-sxm") or a path to a .toml file (anything ending in .toml or
+containing a path separator). A path inside a file (a GPU's default_cluster, a cluster's gpu) is relative to that file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+from mlm.planner.errors import PlanError
+
+DEFAULT_GPU = "a100-80gb"  # names, not hardware numbers: the numbers are in the TOML files
+_PACKAGE = "mlm.profiles"
+_GPU_DIR = "gpus"
+_CLUSTER_DIR = "clusters"
+
+
+def _interp_log(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear interpolation of ys over log(xs) at x, clamped to the end values."""
+    assert len(xs) == len(ys) >= 1 and x > 0
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    lx = math.log(x)
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            x0, x1 = math.log(xs[i - 1]), math.log(xs[i])
+            t = (lx - x0) / (x1 - x0)
+            return ys[i - 1] + t * (ys[i] - ys[i - 1])
+    return ys[-1]
+
+
+def gemm_size(m: int, n: int, k: int) -> float:
+    """The size a GEMM curve is indexed by: the geometric mean of m, n and k."""
+    return float(m * n * k) ** (1.0 / 3.0)
+
+
+@dataclass(frozen=True)
+class GemmCurve:
+    """Achieved fraction of dense peak for a GEMM of a given size (geometric mean of m, n, k)."""
+
+    sizes: tuple[float, ...]
+    fractions: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class AttentionCurve:
+    """Achieved fraction of dense bf16 peak for causal attention (fwd+bwd) at a given sequence length."""
+
+    seq_lens: tuple[float, ...]
+    fractions: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    """One accelerator. Rates are dense (no sparsity); link bandwidths are per direction."""
+
+    name: str
+    bf16_tflops: float
+    fp16_tflops: float
+    fp32_tflops: float  # non-tensor-core FP32
+    tf32_tflops: float
+    hbm_gib: float
+    hbm_gbps: float
+    nvlink_gbps: float  # per GPU, one direction
+    usd_per_gpu_hour: float
+    default_cluster: str  # a cluster preset name or a .toml path relative to this file
+    memory_bound_efficiency: float  # fraction of hbm_gbps reached by elementwise ops
+    gemm_curve: GemmCurve
+    attention_curve: AttentionCurve
+
+    def gemm_efficiency(self, size: float) -> float:
+        """Fraction of dense peak a GEMM of `size` (see gemm_size) reaches; clamped at the curve's ends."""
+        return _interp_log(self.gemm_curve.sizes, self.gemm_curve.fractions, max(float(size), 1e-9))
+
+    def attention_efficiency(self, seq_len: float) -> float:
+        """Fraction of dense bf16 peak causal attention (fwd+bwd) reaches at `seq_len`; clamped at the ends."""
+        c = self.attention_curve
+        return _interp_log(c.seq_lens, c.fractions, max(float(seq_len), 1e-9))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML document as plain JSON-ready values (for plan.json's cluster.profile)."""
+        return _as_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> GPUProfile:
+        """Validate `data` against the strict key set; `source` names the file in error messages."""
+        return _build(cls, data, source)
+
+
+@dataclass(frozen=True)
+class ClusterProfile:
+    """A node type and its network. Bandwidths are per GPU, one direction; latency is per collective call."""
+
+    name: str
+    gpu: str  # default GPU: a preset name or a .toml path relative to this file
+    gpus_per_node: int
+    intra_node_gbps: float
+    intra_node_latency_us: float
+    intra_node_collective_efficiency: float  # NCCL bus bandwidth / intra_node_gbps
+    inter_node_gbps: float
+    inter_node_latency_us: float
+    inter_node_collective_efficiency: float  # NCCL bus bandwidth / inter_node_gbps
+    memory_reserve_gib: float  # per GPU: CUDA context, NCCL buffers, workspaces, fragmentation
+
+    def to_dict(self) -> dict[str, Any]:
+        """The TOML document as plain JSON-ready values."""
+        return _as_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> ClusterProfile:
+        """Validate `data` against the strict key set; `source` names the file in error messages."""
+        return _build(cls, data, source)
+
+
+# ---- strict validation -------------------------------------------------------------------------------------------
+
+_NONNEGATIVE = {"usd_per_gpu_hour"}
+
+
+def _check_value(source: str, key: str, hint: Any, value: Any) -> Any:
+    """Coerce one TOML value to the field's type, or raise PlanError naming the file and key."""
+    if hint is str:
+        if not isinstance(value, str) or not value:
+            raise PlanError(f"{source}: key '{key}' must be a non-empty string, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{source}: key '{key}' must be a positive integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise PlanError(f"{source}: key '{key}' must be a number, got {value!r}")
+        low_ok = value >= 0 if key in _NONNEGATIVE else value > 0
+        if not low_ok or (key.endswith("efficiency") and value > 1):
+            bound = ">= 0" if key in _NONNEGATIVE else "in (0, 1]" if key.endswith("efficiency") else "> 0"
+            raise PlanError(f"{source}: key '{key}' must be {bound}, got {value!r}")
+        return float(value)
+    assert hint == tuple[float, ...], hint
+    if not isinstance(value, list) or not value:
+        raise PlanError(f"{source}: key '{key}' must be a non-empty array of numbers, got {value!r}")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise PlanError(f"{source}: key '{key}' must hold positive numbers, got {v!r}")
+        if key.endswith("fractions") and v > 1:
+            raise PlanError(f"{source}: key '{key}' holds {v!r}; fractions must be in (0, 1]")
+        out.append(float(v))
+    return tuple(out)
+
+
+def _build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
+    """Build dataclass `cls` from a TOML table, rejecting unknown and missing keys."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: '{prefix.rstrip('.')}' must be a table, got {data!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in hints:
+            raise PlanError(f"{source}: unknown key '{prefix}{key}' (expected: {', '.join(names)})")
+    values: dict[str, Any] = {}
+    for key in names:
+        if key not in data:
+            raise PlanError(f"{source}: missing key '{prefix}{key}'")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = _build(hint, data[key], source, f"{prefix}{key}.")
+        else:
+            values[key] = _check_value(source, prefix + key, hint, data[key])
+    if cls in (GemmCurve, AttentionCurve):
+        xs, ys = values[names[0]], values["fractions"]
+        if len(xs) != len(ys):
+            raise PlanError(f"{source}: '{prefix}{names[0]}' and '{prefix}fractions' differ in length")
+        if any(b <= a for a, b in zip(xs, xs[1:])):
+            raise PlanError(f"{source}: '{prefix}{names[0]}' must be strictly increasing, got {list(xs)}")
+    return cls(**values)
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    """Dataclass to nested dict with lists instead of tuples."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out[f.name] = _as_dict(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
+    return out
+
+
+# ---- loading -----------------------------------------------------------------------------------------------------
+
+
+def _is_path(ref: str) -> bool:
+    return ref.endswith(".toml") or "/" in ref or "\\" in ref
+
+
+def _preset_names(folder: str) -> list[str]:
+    root = importlib.resources.files(_PACKAGE) / folder
+    return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def list_gpus() -> list[str]:
+    """Names of the GPU presets shipped in mlm.profiles/gpus."""
+    return _preset_names(_GPU_DIR)
+
+
+def list_clusters() -> list[str]:
+    """Names of the cluster presets shipped in mlm.profiles/clusters."""
+    return _preset_names(_CLUSTER_DIR)
+
+
+def _read(kind: str, folder: str, ref: str, base: Path | None) -> tuple[dict[str, Any], str, Path | None]:
+    """TOML contents, a source label for messages, and the folder relative references resolve against."""
+    if _is_path(ref):
+        path = Path(ref).expanduser()
+        if base is not None and not path.is_absolute():
+            path = base / path
+        if not path.is_file():
+            raise PlanError(f"{kind} profile file '{path}' not found")
+        text, source, folder_of = path.read_text(encoding="utf-8"), str(path), path.parent
+    else:
+        names = _preset_names(folder)
+        if ref not in names:
+            raise PlanError(f"unknown {kind} profile '{ref}'; available: {', '.join(names)} (or a .toml file path)")
+        res = importlib.resources.files(_PACKAGE) / folder / f"{ref}.toml"
+        text, source, folder_of = res.read_text(encoding="utf-8"), f"{_PACKAGE}/{folder}/{ref}.toml", None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PlanError(f"{source}: invalid TOML: {e}") from None
+    return data, source, folder_of
+
+
+_P = TypeVar("_P", GPUProfile, ClusterProfile)
+
+
+def _load_at(cls: type[_P], ref: str, base: Path | None) -> tuple[_P, Path | None]:
+    """Load and validate one profile; presets must be named after their file."""
+    kind, folder = ("GPU", _GPU_DIR) if cls is GPUProfile else ("cluster", _CLUSTER_DIR)
+    data, source, folder_of = _read(kind, folder, ref, base)
+    profile = cls.from_dict(data, source)
+    if not _is_path(ref) and profile.name != ref:
+        raise PlanError(f"{source}: name must be '{ref}' (the file's stem), got '{profile.name}'")
+    return profile, folder_of
+
+
+def _load_gpu_at(ref: str, base: Path | None) -> tuple[GPUProfile, Path | None]:
+    return _load_at(GPUProfile, ref, base)
+
+
+def _load_cluster_at(ref: str, base: Path | None) -> tuple[ClusterProfile, Path | None]:
+    return _load_at(ClusterProfile, ref, base)
+
+
+def load_gpu(name_or_path: str) -> GPUProfile:
+    """A GPU preset by name (see list_gpus) or a GPU profile TOML file, e.g. one written by mlm-profile."""
+    return _load_gpu_at(name_or_path, None)[0]
+
+
+def load_cluster(name_or_path: str) -> ClusterProfile:
+    """A cluster preset by name (see list_clusters) or a cluster profile TOML file."""
+    return _load_cluster_at(name_or_path, None)[0]
+
+
+def resolve(gpu: str | None, cluster: str | None) -> tuple[GPUProfile, ClusterProfile]:
+    """The GPU and cluster a plan uses.
+
+    gpu picks the GPU and, unless cluster is given, its default_cluster; cluster alone picks the cluster and its
+    default gpu; neither gives DEFAULT_GPU on its default cluster (a100-80gb on dgx-a100).
+    """
+    if gpu is None and cluster is not None:
+        c, c_dir = _load_cluster_at(cluster, None)
+        return _load_gpu_at(c.gpu, c_dir)[0], c
+    g, g_dir = _load_gpu_at(gpu if gpu is not None else DEFAULT_GPU, None)
+    if cluster is not None:
+        return g, _load_cluster_at(cluster, None)[0]
+    try:
+        return g, _load_cluster_at(g.default_cluster, g_dir)[0]
+    except PlanError as e:
+        raise PlanError(f"GPU profile '{g.name}': default_cluster: {e}; pass --cluster NAME|PATH") from None
+
+
+# ---- writing (used by mlm-profile) -------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        assert math.isfinite(v), v
+        return repr(v)
+    assert isinstance(v, (list, tuple)), v
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+def to_toml(profile: GPUProfile | ClusterProfile, comments: dict[str, str] | None = None, header: str = "") -> str:
+    """The profile as a TOML document in its strict key set; `comments` adds `# ...` after a key (dotted for tables)."""
+    comments = comments or {}
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    tables: list[str] = []
+    for key, value in profile.to_dict().items():
+        if isinstance(value, dict):
+            tables.append("")
+            tables.append(f"[{key}]" + (f"  # {comments[key]}" if key in comments else ""))
+            for sub, v in value.items():
+                note = comments.get(f"{key}.{sub}")
+                tables.append(f"{sub} = {_toml_value(v)}" + (f"  # {note}" if note else ""))
+        else:
+            note = comments.get(key)
+            lines.append(f"{key} = {_toml_value(value)}" + (f"  # {note}" if note else ""))
+    return "\n".join(lines + tables) + "\n"

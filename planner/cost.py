@@ -1,0 +1,426 @@
+"""The cost model: step time and per-GPU memory of a layout, from summarised IR numbers and hardware profiles.
+
+Pure arithmetic on frozen dataclasses (no torch): `summarize(ir)` once per model, then `evaluate` per layout in
+well under a millisecond. Per micro-batch and per layer (planner/cost_inputs.py says how layers are split):
+
+  GEMMs       2·m·k·n/tp FLOPs at gpu.gemm_efficiency((m·k·n/tp)^(1/3)), m = micro_batch·seq; backward = 2x
+              forward (input and weight gradients have the same m·n·k, hence the same size and efficiency).
+  attention   fused kernels: the profile's convention, 7·b·h·s²·d fwd+bwd FLOPs (= 1.75x the IR's non-causal
+              forward count) at attention_efficiency(s), split 2:5 forward:backward; materialised scores (manual):
+              batched (s, s, d) GEMMs, backward 2x.
+  memory-bound  bytes / (hbm_gbps · memory_bound_efficiency), tp-region bytes ÷tp, residual-stream bytes ÷tp only
+              with sequence parallelism; backward moves 2x the forward bytes (reads saved input and grad, writes grad).
+  tp comm     per block 2 all-reduces forward and 2 backward (Megatron's g and f), or all-gather + reduce-scatter
+              pairs with SP (same ring bytes); not overlapped (Megatron-LM 2021 runs them on the compute stream).
+  recompute   full: one more forward of the block incl. its all-reduces; selective: the attention core's forward
+              (score matmuls and softmax/dropout bytes; nothing when the fused kernel saves no scores).
+  pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation,
+              1/tp of it per rank plus an NVLink all-gather without SP (Narayanan et al. 2021, scatter/gather opt.).
+  bubble      planner/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
+  dp comm     once per step: bf16 gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1)
+              of the rank's local parameters; zero 3 all-gathers parameters in forward and backward and
+              reduce-scatters gradients every micro-batch. Overlap assumption (CostOptions.dp_overlap, default 0 as
+              in Megatron-LM 2021): that fraction of the last micro-batch's backward (zero 3: of every micro-batch's
+              compute) hides DP traffic. Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
+  optimizer   Adam as a memory-bound pass: 28 bytes per local parameter (fp32 master, m, v read+written; bf16
+              grad read, bf16 weight written), sharded over dp under zero >= 1.
+
+Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s (the busiest pipeline rank's
+per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops) + bubble_s + dp_comm_s (exposed
+part) + optimizer_s, exactly.
+
+Calibration: only the A100 GEMM efficiency curve (profiles/gpus/a100-*.toml) was fitted, one global factor on the
+prior, against Narayanan et al. 2021 Table 1 (planner/calibration.py, benchmarks/calibrate_megatron.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from mlm.planner.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
+from mlm.planner.cost_inputs import LayerCost, ModelCostInputs, summarize
+from mlm.planner.errors import PlanError
+from mlm.planner.layout import Layout
+from mlm.planner.memory import (MemoryBreakdown, activation_bytes, local_params, state_bytes, working_bytes,
+                                zero3_buffer_bytes)
+from mlm.planner.profiles import ClusterProfile, GPUProfile, gemm_size
+from mlm.planner.schedule import inflight, pipeline_time
+
+__all__ = ["CostOptions", "Evaluation", "StageAssignment", "StageCoefficients", "StageCost", "balanced_blocks",
+           "evaluate", "stage_coefficients", "summarize"]
+
+OPTIMIZER_TRAFFIC_BYTES = 28.0  # per parameter per Adam step, see module docstring
+GIB = float(2**30)
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """Blocks per virtual stage (length pp·vpp) and how many of them use layout.recompute (None: all)."""
+
+    blocks_per_stage: tuple[int, ...]
+    recompute_blocks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Modelling assumptions that are the runtime's, not the hardware's."""
+
+    dp_overlap: float = 0.0  # fraction of the backward window that hides data-parallel communication
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One virtual stage: its layers, per-micro-batch times, and its share of its GPU's memory (the rank's first
+    chunk also carries the rank-wide terms: reserve, recompute working memory, ZeRO-3 buffers)."""
+
+    index: int
+    rank: int
+    chunk: int
+    layers: tuple[str, ...]
+    num_blocks: int
+    recompute_blocks: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    inflight: float
+    memory: MemoryBreakdown
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predicted step time and memory of one layout. stages: the pp·vpp virtual stages (stage i on rank i % pp);
+    rank_memory: per GPU (the sum of its stages' memory); breakdown sums to step_time_s (module docstring)."""
+
+    layout: Layout
+    stages: tuple[StageCost, ...]
+    rank_memory: tuple[MemoryBreakdown, ...]  # per pipeline rank (one GPU)
+    step_time_s: float
+    breakdown: dict[str, float]
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    peak_memory_bytes: float
+    capacity_bytes: float
+    fits: bool
+    reason: str | None
+    bottleneck_rank: int
+
+
+@dataclass(frozen=True)
+class _LayerTimes:
+    forward_s: float
+    backward_s: float
+    tp_s: float  # forward + backward collectives
+    recompute_s: float  # extra time when recomputed under layout.recompute
+
+
+@dataclass(frozen=True)
+class StageCoefficients:
+    """The cost model's per-block numbers for the stage MILP (all per micro-batch, seconds and bytes).
+
+    Agreement with evaluate(): for an assignment (n_i, r_i), evaluate's StageCost.time_s of virtual stage i equals
+    n_i·block_time_s + r_i·block_recompute_extra_s + [i=0]·pre_time_s + [i=S−1]·post_time_s + p2p_time_s, and a
+    rank's memory equals Σ_i n_i·block_static_bytes + [i=0]·pre_static_bytes + [i=S−1]·post_static_bytes
+    + inflight[i]·((n_i−r_i)·block_act_bytes + r_i·block_act_recompute_bytes + [i=0]·pre_act_bytes
+    + [i=S−1]·post_act_bytes) + the rank-wide terms. capacity_bytes is HBM minus the rank-wide terms (reserve,
+    ZeRO-3 buffer, and full recompute's working block, which evaluate counts only on ranks that recompute).
+    """
+
+    num_blocks: int
+    block_time_s: float
+    block_recompute_extra_s: float
+    block_time_recompute_s: float
+    pre_time_s: float
+    post_time_s: float
+    p2p_time_s: float
+    block_static_bytes: float
+    pre_static_bytes: float
+    post_static_bytes: float
+    block_act_bytes: float
+    block_act_recompute_bytes: float
+    pre_act_bytes: float
+    post_act_bytes: float
+    inflight: tuple[float, ...]
+    fixed_bytes: float
+    capacity_bytes: float
+
+
+def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
+    """Blocks per stage as even as possible, extras on the middle stages (same rule as build_plan)."""
+    base, extra = divmod(num_blocks, stages)
+    counts = [base] * stages
+    for i in sorted(range(stages), key=lambda i: abs(i - (stages - 1) / 2))[:extra]:
+        counts[i] += 1
+    return tuple(counts)
+
+
+# ---- per-layer times ---------------------------------------------------------------------------------------------
+
+
+def _layer_times(layer: LayerCost, layout: Layout, gpu: GPUProfile, tp_link: Link, seq: int) -> _LayerTimes:
+    """Forward, backward, tp-collective and recompute time of one micro-batch through `layer`."""
+    mb, tp, sp = layout.micro_batch, layout.tp, layout.sequence_parallel
+    peak = gpu.bf16_tflops * 1e12
+    gemm = 0.0
+    for g in layer.gemms:
+        work = mb * g.rows * g.k * g.n / (1 if g.split == "replicate" else tp)
+        gemm += 2.0 * work / (peak * gpu.gemm_efficiency(work ** (1.0 / 3.0)))
+    attn_f = attn_b = 0.0
+    if layer.attn_flops:
+        flops = layer.attn_flops * mb / tp
+        if layer.attn_materialized:
+            attn_f = flops / (peak * gpu.gemm_efficiency(gemm_size(seq, seq, max(layer.head_dim, 1))))
+            attn_b = 2.0 * attn_f
+        else:
+            both = 1.75 * flops / (peak * gpu.attention_efficiency(seq))
+            attn_f, attn_b = both * 2.0 / 7.0, both * 5.0 / 7.0
+    bandwidth = gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency
+    mem = mb * (layer.mem_sharded / tp + layer.mem_replicated / (tp if sp else 1)) / bandwidth
+    tp_f = _tp_collective(layer.tp_fwd_count, mb * layer.tp_fwd_bytes, tp, sp, tp_link)
+    tp_b = _tp_collective(layer.tp_bwd_count, mb * layer.tp_bwd_bytes, tp, sp, tp_link)
+    forward = gemm + attn_f + mem
+    if layout.recompute == "full":
+        extra = forward + tp_f
+    elif layout.recompute == "selective" and layer.attn_materialized:
+        extra = attn_f + mb * layer.core_bytes / tp / bandwidth
+    else:
+        extra = 0.0
+    return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_f + tp_b, extra)
+
+
+def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> float:
+    """`count` all-reduces of `nbytes` in total, or as many all-gather + reduce-scatter pairs under SP."""
+    if tp == 1 or count == 0:
+        return 0.0
+    if sp:
+        return all_gather_s(nbytes, tp, link, count) + reduce_scatter_s(nbytes, tp, link, count)
+    return all_reduce_s(nbytes, tp, link, count)
+
+
+def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, tp_link: Link) -> float:
+    """Send/recv time per virtual stage and micro-batch (forward activation + backward gradient)."""
+    if layout.pp == 1:
+        return 0.0
+    nbytes = layout.micro_batch * inputs.block.output_bytes
+    one = p2p_s(nbytes / layout.tp, p2p_link(cluster, layout.tp * layout.dp))
+    if not layout.sequence_parallel:
+        one += all_gather_s(nbytes, layout.tp, tp_link)
+    return 2.0 * one
+
+
+# ---- evaluate ----------------------------------------------------------------------------------------------------
+
+
+def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment) -> None:
+    stages = layout.pp * layout.vpp
+    if layout.cp != 1:
+        raise PlanError("context parallelism (cp > 1) is not modelled by the cost model yet")
+    if len(assignment.blocks_per_stage) != stages or sum(assignment.blocks_per_stage) != inputs.num_blocks:
+        raise PlanError(f"stage assignment {assignment.blocks_per_stage} must place all {inputs.num_blocks} "
+                        f"blocks on pp·vpp = {stages} stages")
+    rc = assignment.recompute_blocks
+    if rc is not None and (len(rc) != stages or any(not 0 <= r <= n for r, n in
+                                                    zip(rc, assignment.blocks_per_stage))):
+        raise PlanError(f"recompute_blocks {rc} must give 0..n recomputed blocks for each of the {stages} stages")
+
+
+def evaluate(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile,
+             assignment: StageAssignment | None = None, options: CostOptions = CostOptions()) -> Evaluation:
+    """Predict step time, its breakdown and per-GPU memory of `layout` (balanced blocks unless `assignment`)."""
+    pp, vpp, tp, dp, m = layout.pp, layout.vpp, layout.tp, layout.dp, layout.num_microbatches
+    num_stages = pp * vpp
+    assignment = assignment or StageAssignment(balanced_blocks(inputs.num_blocks, num_stages))
+    _check(inputs, layout, assignment)
+    counts = assignment.blocks_per_stage
+    rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
+    tp_link = group_link(cluster, tp, 1)
+    seq = inputs.seq_len
+    plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq)
+    p2p = _p2p_time(inputs, layout, cluster, tp_link)
+    flight = inflight(pp, vpp, m)
+    mb, sp = layout.micro_batch, layout.sequence_parallel
+    a_none = activation_bytes(inputs.block, "none", tp, sp, mb)
+    a_rc = activation_bytes(inputs.block, layout.recompute, tp, sp, mb)
+    a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb)
+    a_post = activation_bytes(inputs.post, "none", tp, sp, mb)
+    p_block = local_params(inputs.block, tp)
+    p_pre = local_params(inputs.pre, tp)
+    p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if pp > 1 else 0.0)
+    per = state_bytes(1.0, layout.zero, dp)  # bytes per local parameter: params, grads, optimizer
+    reserve = cluster.memory_reserve_gib * GIB
+    buffer = zero3_buffer_bytes(inputs.block, tp, layout.zero)
+    working = working_bytes(inputs.block, layout.recompute, tp, sp, mb)
+    recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
+    names = inputs.block_names
+    stages: list[StageCost] = []
+    ranks = _RankTotals.zeros(pp)
+    pos = 0
+    for i, (n, r) in enumerate(zip(counts, rcs)):
+        first, last = i == 0, i == num_stages - 1
+        fwd, bwd, tpc = n * blk.forward_s, n * blk.backward_s, n * blk.tp_s
+        params, acts = n * p_block, (n - r) * a_none + r * a_rc
+        if first:
+            fwd, bwd, tpc, params, acts = (fwd + pre.forward_s, bwd + pre.backward_s, tpc + pre.tp_s,
+                                           params + p_pre, acts + a_pre)
+        if last:
+            fwd, bwd, tpc, params, acts = (fwd + post.forward_s, bwd + post.backward_s, tpc + post.tp_s,
+                                           params + p_post, acts + a_post)
+        rc = r * blk.recompute_s
+        rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
+        memory = MemoryBreakdown(params * per.params + (buffer if rank_wide else 0.0), params * per.grads,
+                                 params * per.optimizer,
+                                 flight[i] * acts + (working if rank_wide and recomputing[i] else 0.0),
+                                 reserve if rank_wide else 0.0)
+        layers = (inputs.pre.names if first else ()) + names[pos: pos + n] + (inputs.post.names if last else ())
+        pos += n
+        stage = StageCost(index=i, rank=i % pp, chunk=i // pp, layers=layers, num_blocks=n, recompute_blocks=r,
+                          forward_s=fwd, backward_s=bwd, recompute_s=rc, tp_comm_s=tpc, pp_comm_s=p2p,
+                          inflight=flight[i], memory=memory)
+        stages.append(stage)
+        ranks.add(i % pp, stage, params)
+    return _assemble(inputs, layout, gpu, cluster, stages, ranks, options)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankTotals:
+    """Per pipeline rank sums over its chunks (lists owned by one evaluate call)."""
+
+    forward: list[float]
+    backward: list[float]
+    recompute: list[float]
+    tp: list[float]
+    pp: list[float]
+    params: list[float]  # local parameter count
+    memory: list[list[float]]  # params, grads, optimizer, activations, reserve bytes
+
+    @staticmethod
+    def zeros(pp: int) -> _RankTotals:
+        return _RankTotals(*([0.0] * pp for _ in range(6)), [[0.0] * 5 for _ in range(pp)])
+
+    def add(self, rank: int, s: StageCost, params: float) -> None:
+        self.forward[rank] += s.forward_s
+        self.backward[rank] += s.backward_s
+        self.recompute[rank] += s.recompute_s
+        self.tp[rank] += s.tp_comm_s
+        self.pp[rank] += s.pp_comm_s
+        self.params[rank] += params
+        mem, m = self.memory[rank], s.memory
+        mem[0] += m.params
+        mem[1] += m.grads
+        mem[2] += m.optimizer
+        mem[3] += m.activations
+        mem[4] += m.reserve
+
+    def time(self, rank: int) -> float:
+        return (self.forward[rank] + self.backward[rank] + self.recompute[rank] + self.tp[rank]
+                + self.pp[rank])
+
+
+def _dp_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals,
+             options: CostOptions) -> float:
+    """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's."""
+    dp, m, pp = layout.dp, layout.num_microbatches, layout.pp
+    exposed = 0.0
+    if dp > 1:
+        link = group_link(cluster, dp, layout.tp)
+        for rank in range(pp):
+            grad_bytes = 2.0 * ranks.params[rank]
+            backward = ranks.backward[rank] + ranks.recompute[rank]
+            if layout.zero >= 3:
+                per_mb = 2.0 * all_gather_s(grad_bytes, dp, link) + reduce_scatter_s(grad_bytes, dp, link)
+                t = m * max(0.0, per_mb - options.dp_overlap * (ranks.forward[rank] + backward))
+            else:
+                comm = (all_reduce_s(grad_bytes, dp, link) if layout.zero == 0 else
+                        reduce_scatter_s(grad_bytes, dp, link) + all_gather_s(grad_bytes, dp, link))
+                t = max(0.0, comm - options.dp_overlap * backward)
+            exposed = max(exposed, t)
+    if pp > 1 and inputs.tied_params:
+        exposed += all_reduce_s(2.0 * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * dp))
+    return exposed
+
+
+def _assemble(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile,
+              stages: list[StageCost], ranks: _RankTotals, options: CostOptions) -> Evaluation:
+    pp, m = layout.pp, layout.num_microbatches
+    rank_times = [ranks.time(r) for r in range(pp)]
+    pipe, bubble = pipeline_time(rank_times, m, layout.vpp)
+    b = max(range(pp), key=rank_times.__getitem__)
+    dp_s = _dp_time(inputs, layout, cluster, ranks, options)
+    shard = layout.dp if layout.zero >= 1 else 1
+    opt_s = max(ranks.params) * OPTIMIZER_TRAFFIC_BYTES / shard / (gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency)
+    breakdown = {
+        "compute_s": m * (ranks.forward[b] + ranks.backward[b]),
+        "tp_comm_s": m * ranks.tp[b],
+        "pp_comm_s": m * ranks.pp[b],
+        "dp_comm_s": dp_s,
+        "bubble_s": bubble,
+        "recompute_s": m * ranks.recompute[b],
+        "optimizer_s": opt_s,
+    }
+    step = pipe + dp_s + opt_s
+    rank_memory = tuple(MemoryBreakdown(*mem) for mem in ranks.memory)
+    capacity = gpu.hbm_gib * GIB
+    peak = max(x.total for x in rank_memory)
+    fits = peak <= capacity
+    tokens = layout.global_batch * inputs.seq_len
+    tflops = layout.global_batch * inputs.model_flops_per_sample / step / layout.world_size / 1e12
+    return Evaluation(
+        layout=layout, stages=tuple(stages), rank_memory=rank_memory, step_time_s=step, breakdown=breakdown,
+        tokens_per_s=tokens / step, model_tflops_per_gpu=tflops, mfu=tflops / gpu.bf16_tflops,
+        peak_memory_bytes=peak, capacity_bytes=capacity, fits=fits,
+        reason=None if fits else _overflow_reason(stages, rank_memory, capacity, layout), bottleneck_rank=b)
+
+
+def _overflow_reason(stages: list[StageCost], rank_memory: tuple[MemoryBreakdown, ...], capacity: float,
+                     layout: Layout) -> str:
+    """Which GPU overflows, by how much, and what dominates its memory."""
+    rank = max(range(len(rank_memory)), key=lambda r: rank_memory[r].total)
+    mem = rank_memory[rank]
+    idx = [s.index for s in stages[rank::layout.pp]]
+    where = f"pipeline stage {idx[0]}" if len(idx) == 1 else f"pipeline rank {rank} (stages {idx})"
+    flight = max(s.inflight for s in stages[rank::layout.pp])
+    return (f"{where} needs {mem.total / GIB:.1f} GiB of {capacity / GIB:.1f} GiB (over by "
+            f"{(mem.total - capacity) / GIB:.1f} GiB); {mem.largest()} dominate: activations "
+            f"{mem.activations / GIB:.1f} GiB ({flight:g} in-flight micro-batches of {layout.micro_batch}, recompute "
+            f"{layout.recompute}), weights+grads+optimizer {mem.static / GIB:.1f} GiB (zero {layout.zero}), "
+            f"reserve {mem.reserve / GIB:.1f} GiB")
+
+
+# ---- the stage MILP's coefficients -------------------------------------------------------------------------------
+
+
+def stage_coefficients(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
+                       ) -> StageCoefficients:
+    """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
+    tp, sp, mb, zero, dp = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero, layout.dp
+    tp_link = group_link(cluster, tp, 1)
+    plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, inputs.seq_len)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, inputs.seq_len)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len)
+    per_param = state_bytes(1.0, zero, dp).static
+    p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if layout.pp > 1 else 0.0)
+    fixed = (cluster.memory_reserve_gib * GIB + zero3_buffer_bytes(inputs.block, tp, zero)
+             + working_bytes(inputs.block, layout.recompute, tp, sp, mb))
+    t_b = blk.forward_s + blk.backward_s + blk.tp_s
+    return StageCoefficients(
+        num_blocks=inputs.num_blocks, block_time_s=t_b, block_recompute_extra_s=blk.recompute_s,
+        block_time_recompute_s=t_b + blk.recompute_s,
+        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s, post_time_s=post.forward_s + post.backward_s + post.tp_s,
+        p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
+        block_static_bytes=per_param * local_params(inputs.block, tp),
+        pre_static_bytes=per_param * local_params(inputs.pre, tp), post_static_bytes=per_param * p_post,
+        block_act_bytes=activation_bytes(inputs.block, "none", tp, sp, mb),
+        block_act_recompute_bytes=activation_bytes(inputs.block, layout.recompute, tp, sp, mb),
+        pre_act_bytes=activation_bytes(inputs.pre, "none", tp, sp, mb),
+        post_act_bytes=activation_bytes(inputs.post, "none", tp, sp, mb),
+        inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches), fixed_bytes=fixed,
+        capacity_bytes=gpu.hbm_gib * GIB - fixed)

@@ -1,0 +1,250 @@
+"""Summarise a captured ModelIR into the plain numbers the cost model needs, once per model.
+
+`summarize(ir)` walks the IR (and each layer's op graph, when present) and returns a ModelCostInputs of floats:
+the repeated block collapsed to one LayerCost, the layers before the blocks (embedding…, first pipeline stage)
+merged into `pre` and those after (final norm, head, loss; last stage) into `post`. After this, `evaluate` in
+planner/cost.py is pure arithmetic. Nothing here imports torch.
+
+How a layer is split by tensor parallelism follows Megatron (Shoeybi et al. 2019): a linear reading the residual
+stream is column-parallel, one reading a sharded tensor is row-parallel; the embedding, the head and the loss are
+vocabulary-parallel; norms, residual adds and position embeddings are replicated (sharded only by sequence
+parallelism). All quantities are per sample (micro-batch 1) of `seq_len` tokens, bytes in the training precision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+from mlm.planner.errors import PlanError
+from mlm.planner.graph import LayerIR, ModelIR
+
+Split = Literal["col", "row", "vocab", "replicate"]
+BF16_BYTES = 2
+FP32_BYTES = 4
+LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy all-reduces max, sum(exp) and the target logit (Megatron)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One linear's forward GEMM: (rows x k) @ (k x n); tp divides k (row) or n (col, vocab), not replicate."""
+
+    rows: int  # tokens per sample
+    k: int
+    n: int
+    split: Split
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Per-sample costs of one layer (or several merged), split by how tp / sequence parallelism shards them.
+
+    mem_*: bytes moved by memory-bound forward ops inside the tp region (sharded) / on the residual stream
+    (replicated, sharded only by SP). act_*: saved activation bytes as in graph.Activations. tp_fwd_* / tp_bwd_*:
+    the tensor-parallel all-reduces (count and total bytes) in forward / backward (Megatron's g and f operators).
+    """
+
+    names: tuple[str, ...]
+    gemms: tuple[Gemm, ...] = ()
+    attn_flops: float = 0.0  # forward score and value products, counted non-causal (4·s²·h) as the papers do
+    attn_materialized: bool = False  # seq x seq scores saved (manual attention): batched GEMMs, not a fused kernel
+    head_dim: int = 0
+    mem_sharded: float = 0.0
+    mem_replicated: float = 0.0
+    core_bytes: float = 0.0  # memory-bound forward bytes of the attention core (selective recompute redoes them)
+    act_sharded: float = 0.0
+    act_replicated: float = 0.0
+    act_core: float = 0.0
+    act_input: float = 0.0
+    output_bytes: float = 0.0
+    params_sharded: float = 0.0  # divided by tp (linear weights and biases, vocabulary embedding)
+    params_replicated: float = 0.0  # norms, position embeddings
+    tp_fwd_count: int = 0
+    tp_fwd_bytes: float = 0.0
+    tp_bwd_count: int = 0
+    tp_bwd_bytes: float = 0.0
+    model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
+
+
+@dataclass(frozen=True)
+class ModelCostInputs:
+    """Everything evaluate() reads about the model."""
+
+    block: LayerCost
+    block_names: tuple[str, ...]
+    pre: LayerCost  # merged layers before the first block (first pipeline stage)
+    post: LayerCost  # merged layers after the last block (last pipeline stage)
+    tied_params: float  # embedding weight the last stage must also hold when pp > 1 (tied head), 0 if untied
+    seq_len: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    num_params: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_names)
+
+    @property
+    def model_flops_per_sample(self) -> float:
+        """Training FLOPs per sample without recompute: 3x forward matmul+attention (Korthikanti et al. 2022)."""
+        return 3.0 * (self.pre.model_flops + self.num_blocks * self.block.model_flops + self.post.model_flops)
+
+
+def summarize(ir: ModelIR) -> ModelCostInputs:
+    """Collapse `ir` to per-layer floats; blocks must be identical (their mean is used if they are not)."""
+    blocks = [layer for layer in ir.layers if layer.kind == "block"]
+    if not blocks:
+        raise PlanError("the model has no repeated transformer blocks to place on pipeline stages")
+    first = ir.layers.index(blocks[0])
+    last = ir.layers.index(blocks[-1])
+    costs = [_layer_cost(b, ir) for b in blocks]
+    block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
+    pre = _merge([_layer_cost(x, ir) for x in ir.layers[:first]])
+    post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1:] if x.kind != "block"])
+    head = [op.in_features * op.out_features for layer in ir.layers[last + 1:] if layer.kind == "head"
+            for op in layer.linears if op.kind == "linear" and op.out_features == ir.vocab_size]
+    owned_after = sum(x.params for x in ir.layers[last + 1:])
+    # a tied head's weight is counted at the embedding; with pp > 1 the last stage holds a copy (Megatron)
+    tied = float(head[0]) if ir.tied_embeddings and head and owned_after < head[0] else 0.0
+    return ModelCostInputs(block=block, block_names=tuple(b.name for b in blocks), pre=pre, post=post,
+                           tied_params=tied, seq_len=ir.seq_len, hidden_size=ir.hidden_size,
+                           num_heads=ir.num_heads, num_kv_heads=ir.num_kv_heads, vocab_size=ir.vocab_size,
+                           num_params=ir.num_params)
+
+
+# ---- one layer ---------------------------------------------------------------------------------------------------
+
+
+def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
+    a = layer.activations
+    kind = layer.kind
+    vocab = kind in ("head", "loss")
+    gemms, sharded_params, fwd, bwd = _linears(layer, ir)
+    mem_s, core = _memory_split(layer, ir.seq_len, kind)
+    if kind == "loss":
+        fwd = (fwd[0] + LOSS_REDUCTIONS, fwd[1] + LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
+    sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
+    replicated = a.replicated if kind != "loss" else 0.0
+    return LayerCost(
+        names=(layer.name,), gemms=gemms, attn_flops=layer.flops_attention,
+        attn_materialized=a.attn_core > 0, head_dim=ir.hidden_size // max(ir.num_heads, 1),
+        mem_sharded=layer.bytes_moved * (1.0 if vocab else mem_s),
+        mem_replicated=layer.bytes_moved * (0.0 if vocab else 1.0 - mem_s), core_bytes=core,
+        act_sharded=sharded, act_replicated=replicated, act_core=a.attn_core, act_input=a.layer_input,
+        output_bytes=layer.output_bytes, params_sharded=float(min(sharded_params, layer.params)),
+        params_replicated=float(layer.params - min(sharded_params, layer.params)),
+        tp_fwd_count=fwd[0], tp_fwd_bytes=fwd[1], tp_bwd_count=bwd[0], tp_bwd_bytes=bwd[1],
+        model_flops=layer.flops_matmul + layer.flops_attention)
+
+
+def _linears(layer: LayerIR, ir: ModelIR) -> tuple[tuple[Gemm, ...], float, tuple[int, float], tuple[int, float]]:
+    """GEMMs with their tp split, tp-sharded parameter count, and the forward / backward all-reduces."""
+    gemms: list[Gemm] = []
+    sharded = 0.0
+    fwd_n, fwd_b, bwd_n, bwd_b = 0, 0.0, 0, 0.0
+    if layer.kind == "block":
+        splits, inputs = _block_splits(layer)
+        for op, split in zip(layer.linears, splits):
+            gemms.append(Gemm(op.rows, op.in_features, op.out_features, split))
+            sharded += op.in_features * op.out_features + (op.out_features if op.has_bias and split == "col" else 0)
+            if split == "row":  # g: all-reduce the row-parallel output in forward
+                fwd_n, fwd_b = fwd_n + 1, fwd_b + BF16_BYTES * op.rows * op.out_features
+        for size in inputs:  # f: all-reduce the input gradient of each group of column-parallel linears
+            bwd_n, bwd_b = bwd_n + 1, bwd_b + size
+        return tuple(gemms), sharded, (fwd_n, fwd_b), (bwd_n, bwd_b)
+    for op in layer.linears:
+        if op.kind == "embedding":
+            if op.in_features == ir.vocab_size:  # vocab-parallel lookup: masked partial sums, all-reduced
+                sharded += op.in_features * op.out_features
+                fwd_n, fwd_b = fwd_n + 1, fwd_b + BF16_BYTES * op.rows * op.out_features
+            continue
+        if op.out_features == ir.vocab_size:  # vocab-parallel head: input gradient all-reduced in backward
+            gemms.append(Gemm(op.rows, op.in_features, op.out_features, "vocab"))
+            sharded += op.in_features * op.out_features
+            bwd_n, bwd_b = bwd_n + 1, bwd_b + BF16_BYTES * op.rows * op.in_features
+        else:
+            gemms.append(Gemm(op.rows, op.in_features, op.out_features, "replicate"))
+    return tuple(gemms), sharded, (fwd_n, fwd_b), (bwd_n, bwd_b)
+
+
+def _block_splits(layer: LayerIR) -> tuple[list[Split], list[float]]:
+    """Column/row split of each block linear (Megatron's rule, read off the op graph) and, for backward, the
+    bytes of each distinct input feeding column-parallel linears. Without an op graph: GPT's pattern,
+    alternating column/row linears and two all-reduces of the residual stream each way."""
+    g = layer.ops
+    residual = BF16_BYTES * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
+    if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(layer.linears):
+        return ["col" if i % 2 == 0 else "row" for i in range(len(layer.linears))], [residual] * 2
+    tags: dict[str, str] = {}
+    splits, inputs, seen = [], [], set()
+    for n, d in g.nodes(data=True):
+        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
+        if d.get("kind") == "linear":
+            tags[n] = "R" if inside else "S"
+            splits.append("row" if inside else "col")
+            if not inside:
+                preds = tuple(sorted(g.predecessors(n)))
+                if preds not in seen:
+                    seen.add(preds)
+                    inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
+        elif d.get("kind") == "embedding":
+            tags[n] = "R"
+        else:
+            tags[n] = "S" if inside else "R"
+    return splits, inputs
+
+
+def _memory_split(layer: LayerIR, seq: int, kind: str) -> tuple[float, float]:
+    """Fraction of memory-bound bytes inside the tp region, and the attention core's memory-bound bytes.
+
+    The IR gives one bytes_moved per layer; the op graph gives each op's output bytes and region, which we use as
+    weights for the split. Core bytes: ops on seq x seq tensors (scale, mask, softmax, dropout), read + write."""
+    g = layer.ops
+    if g is None or kind != "block":
+        total = layer.activations.total
+        return (layer.activations.sharded / total if total else 0.0), 0.0
+    tags: dict[str, str] = {}
+    moved = {"S": 0.0, "R": 0.0}
+    core = 0.0
+    for n, d in g.nodes(data=True):
+        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
+        k = d.get("kind")
+        tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
+        if k in ("linear", "matmul", "embedding"):
+            continue
+        moved[tags[n]] += d.get("bytes", 0.0)
+        shape = d.get("shape", ())
+        if k != "attention" and len(shape) >= 4 and shape[-1] == seq and shape[-2] == seq:
+            core += 2.0 * d.get("bytes", 0.0)
+    total = moved["S"] + moved["R"]
+    return (moved["S"] / total if total else 0.0), core
+
+
+# ---- merging -----------------------------------------------------------------------------------------------------
+
+
+def _numbers(c: LayerCost) -> tuple:
+    return tuple(getattr(c, f.name) for f in fields(c) if f.name != "names")
+
+
+def _merge(costs: list[LayerCost]) -> LayerCost:
+    """Sum several layers into one (their GEMMs concatenated)."""
+    out = LayerCost(names=())
+    for c in costs:
+        out = replace(
+            out, names=out.names + c.names, gemms=out.gemms + c.gemms,
+            attn_materialized=out.attn_materialized or c.attn_materialized, head_dim=max(out.head_dim, c.head_dim),
+            **{f.name: getattr(out, f.name) + getattr(c, f.name) for f in fields(c)
+               if f.name not in ("names", "gemms", "attn_materialized", "head_dim")})
+    return out
+
+
+def _mean(costs: list[LayerCost]) -> LayerCost:
+    """Average of differing blocks (so stage placement can still treat blocks as interchangeable)."""
+    total = _merge(costs)
+    n = len(costs)
+    numeric = {f.name: getattr(total, f.name) / n for f in fields(total)
+               if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "tp_fwd_count", "tp_bwd_count")}
+    return replace(costs[0], **numeric, tp_fwd_count=round(total.tp_fwd_count / n),
+                   tp_bwd_count=round(total.tp_bwd_count / n))

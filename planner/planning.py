@@ -1,0 +1,45 @@
+"""One entry point from (model, request, profiles) to a Plan: search or pinned evaluation, TP map, plan.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlm.planner.build_plan import build_plan
+from mlm.planner.explain import alternatives, explain_dimensions
+from mlm.planner.graph import ModelIR
+from mlm.planner.loader import ModelSpec
+from mlm.planner.plan import Plan
+from mlm.planner.profiles import resolve
+from mlm.planner.search import Candidate, PlanRequest, SearchResult, evaluate_pinned, search
+from mlm.planner.tp_sharding import plan_tensor_parallel
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    plan: Plan
+    result: SearchResult | None  # None when every dimension was pinned
+    summary: dict[str, Any]
+    explanations: dict[str, str] = field(default_factory=dict)
+
+
+def make_plan(spec: ModelSpec, ir: ModelIR, request: PlanRequest, gpu_name: str | None = None,
+              cluster_name: str | None = None) -> PlanOutcome:
+    gpu, cluster = resolve(gpu_name, cluster_name)
+    result: SearchResult | None = None
+    if request.fully_pinned:
+        best: Candidate = evaluate_pinned(ir, request, gpu, cluster)
+        alts: list[dict[str, object]] = []
+        how = "evaluated the pinned layout"
+        explanations = {"layout": "every dimension was pinned on the command line"}
+    else:
+        result = search(ir, request, gpu, cluster)
+        best = result.best
+        alts = alternatives(result, request.top_k)
+        how = (f"searched {result.evaluated} layouts and {result.milp_solves} stage MILPs in "
+               f"{result.seconds:.2f} s; captured with {ir.capture_method} in {ir.capture_seconds:.2f} s")
+        explanations = explain_dimensions(result)
+    sharding = plan_tensor_parallel(ir, best.layout.tp, best.layout.sequence_parallel)
+    plan = build_plan(spec, ir, best.layout, best.evaluation, best.assignment, gpu, cluster, sharding.styles, alts)
+    summary = {"model": spec.display_name, "cluster": cluster.name, "capacity_bytes": best.evaluation.capacity_bytes,
+               "block_names": {layer.name for layer in ir.blocks}, "search": how}
+    return PlanOutcome(plan=plan, result=result, summary=summary, explanations=explanations)

@@ -1,0 +1,351 @@
+"""Search for the fastest layout that fits: enumeration of the outer choices, pruned by memory, with the stage
+MILP refining the best candidates.
+
+Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are few enough to enumerate
+once divisibility rules are applied. Each is scored by the cost model with balanced stages (pure arithmetic,
+microseconds), pruned with two monotonicity facts of the memory model: if the least memory-hungry variant of a
+(tp, pp, zero) group (micro-batch 1, full recompute, sequence parallelism) does not fit, no variant does; and for
+fixed other choices, more recompute only adds time, so the first recompute level that fits is the only one kept.
+The top candidates then get the stage MILP (planner/stage_milp.py): uneven blocks per stage and per-stage
+recompute counts, re-scored by the same cost model.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from mlm.planner.cost import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
+from mlm.planner.errors import Infeasible, PlanError
+from mlm.planner.graph import ModelIR
+from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
+from mlm.planner.profiles import ClusterProfile, GPUProfile
+from mlm.planner.stage_milp import StageProblem, solve_stages
+
+VPP_CHOICES = (1, 2, 3, 4, 6, 8)
+MAX_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for: GPU count, batch, and any pinned dimensions (None = search)."""
+
+    num_gpus: int
+    global_batch: int
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    micro_batch: int | None = None
+    vpp: int | None = None
+    recompute: str | None = None
+    sequence_parallel: bool | None = None
+    zero: int | None = None
+    top_k: int = 5
+    solver: str = "cbc"
+    time_limit_s: float = 10.0
+    refine: int = 6  # candidates the stage MILP refines
+
+    @property
+    def fully_pinned(self) -> bool:
+        return None not in (self.tp, self.pp, self.micro_batch, self.vpp, self.recompute, self.sequence_parallel,
+                            self.zero)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    evaluation: Evaluation
+    assignment: StageAssignment | None = None  # None: balanced stages
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Candidate
+    ranked: list[Candidate]  # feasible candidates, fastest first (best included), one per distinct layout
+    infeasible: list[Candidate]  # the closest misses, for "why not"
+    evaluated: int
+    seconds: float
+    milp_solves: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile) -> SearchResult:
+    """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible."""
+    start = time.perf_counter()
+    validate_request(ir, request, cluster)
+    inputs = summarize(ir)
+    feasible: dict[Layout, Candidate] = {}
+    misses: list[Candidate] = []
+    evaluated = 0
+    for group in _groups(ir, request, cluster):
+        tp, pp, dp, zero = group
+        probe = _least_memory_layout(request, tp, pp, dp, zero, ir)
+        if probe is None:
+            continue
+        ev = evaluate(inputs, probe, gpu, cluster)
+        evaluated += 1
+        if not ev.fits:
+            misses.append(Candidate(probe, ev))
+            continue
+        for layout_rc in _variants(ir, request, tp, pp, dp, zero):
+            for layout in layout_rc:  # recompute levels, cheapest first: keep the first that fits
+                ev = evaluate(inputs, layout, gpu, cluster)
+                evaluated += 1
+                if ev.fits:
+                    feasible[layout] = Candidate(layout, ev)
+                    break
+    if not feasible:
+        raise Infeasible(_no_fit_message(ir, request, gpu, cluster, misses))
+    ranked = sorted(feasible.values(), key=lambda c: c.evaluation.step_time_s)
+    solves = 0
+    refined: list[Candidate] = []
+    for cand in ranked[: request.refine]:
+        better, tried = refine_stages(inputs, cand, gpu, cluster, request)
+        solves += tried
+        refined.append(better)
+    ranked = sorted(refined + ranked[request.refine:], key=lambda c: c.evaluation.step_time_s)
+    misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
+    return SearchResult(best=ranked[0], ranked=ranked, infeasible=misses[:3], evaluated=evaluated,
+                        seconds=time.perf_counter() - start, milp_solves=solves)
+
+
+def refine_stages(inputs: object, cand: Candidate, gpu: GPUProfile, cluster: ClusterProfile,
+                  request: PlanRequest) -> tuple[Candidate, int]:
+    """Re-place blocks (uneven) and choose per-stage recompute counts with the MILP; keep what is faster."""
+    layout = cand.layout
+    if layout.pp == 1 and layout.recompute == "none":
+        return cand, 0
+    problem = stage_problem(inputs, layout, gpu, cluster)
+    solution = solve_stages(problem, request.solver, request.time_limit_s)
+    if solution is None:
+        return cand, 1
+    assignment = StageAssignment(blocks_per_stage=solution.blocks_per_stage,
+                                 recompute_blocks=solution.recompute_blocks)
+    ev = evaluate(inputs, layout, gpu, cluster, assignment)
+    if ev.fits and ev.step_time_s < cand.evaluation.step_time_s:
+        return Candidate(layout, ev, assignment), 1
+    return cand, 1
+
+
+def stage_problem(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> StageProblem:
+    """The MILP's coefficients, from the cost model's own per-block numbers (so both agree)."""
+    c = stage_coefficients(inputs, layout, gpu, cluster)
+    return StageProblem(
+        num_blocks=c.num_blocks, pp=layout.pp, vpp=layout.vpp,
+        block_time_s=c.block_time_s, recompute_time_s=c.block_recompute_extra_s,
+        pre_time_s=c.pre_time_s, post_time_s=c.post_time_s,
+        block_static_bytes=c.block_static_bytes, pre_static_bytes=c.pre_static_bytes,
+        post_static_bytes=c.post_static_bytes, block_act_bytes=c.block_act_bytes,
+        block_act_recompute_bytes=c.block_act_recompute_bytes, pre_act_bytes=c.pre_act_bytes,
+        post_act_bytes=c.post_act_bytes, inflight=tuple(c.inflight), capacity_bytes=c.capacity_bytes,
+        allow_recompute=layout.recompute != "none")
+
+
+def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile
+                    ) -> Candidate:
+    """Every dimension pinned: evaluate exactly that layout (balanced stages). Raises Infeasible if it does not
+    fit, naming the stage and the overflow."""
+    validate_request(ir, request, cluster)
+    layout = pinned_layout(ir, request)
+    ev = evaluate(summarize(ir), layout, gpu, cluster)
+    if not ev.fits:
+        raise Infeasible(f"layout {layout.describe()} does not fit: {ev.reason}")
+    return Candidate(layout, ev)
+
+
+def pinned_layout(ir: ModelIR, request: PlanRequest) -> Layout:
+    assert request.tp and request.pp and request.micro_batch and request.vpp is not None
+    dp = request.num_gpus // (request.tp * request.pp)
+    layout = Layout(tp=request.tp, pp=request.pp, dp=dp, micro_batch=request.micro_batch,
+                    num_microbatches=request.global_batch // (dp * request.micro_batch), vpp=request.vpp,
+                    sequence_parallel=bool(request.sequence_parallel), recompute=request.recompute or "none",
+                    zero=request.zero or 0)
+    problem = layout_problem(ir, layout, request.global_batch)
+    if problem:
+        raise Infeasible(f"layout {layout.describe()}: {problem}")
+    return layout
+
+
+def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> None:
+    """Errors that no layout can fix, each with what to change."""
+    n, node = request.num_gpus, cluster.gpus_per_node
+    if n < 1:
+        raise PlanError("--gpus must be >= 1")
+    if request.global_batch < 1:
+        raise PlanError("--global-batch must be >= 1")
+    if n > node and n % node:
+        lower, upper = n // node * node, (n // node + 1) * node
+        raise Infeasible(f"{n} GPUs is not a whole number of {cluster.name} nodes ({node} GPUs each): "
+                         f"use {lower} or {upper}")
+    for name in ("tp", "pp", "dp", "micro_batch", "vpp"):
+        value = getattr(request, name)
+        if value is not None and value < 1:
+            raise PlanError(f"--{name.replace('_', '-')} must be >= 1")
+    pinned = [getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k)]
+    product = 1
+    for v in pinned:
+        product *= v
+    if n % product:
+        raise Infeasible(f"tp·pp·dp pinned to {product} does not divide {n} GPUs")
+    if request.tp and request.pp and request.dp and request.tp * request.pp * request.dp != n:
+        raise Infeasible(f"tp·pp·dp = {request.tp * request.pp * request.dp} but --gpus is {n}")
+    if request.tp and request.tp > node:
+        raise Infeasible(f"--tp {request.tp} exceeds the {node} GPUs of one {cluster.name} node: tensor "
+                         f"parallelism needs NVLink; use --tp {node} or less")
+    if not any(request.global_batch % dp == 0 for dp in _dp_options(ir, request, cluster)):
+        raise Infeasible(_batch_message(ir, request, cluster))
+    if request.recompute is not None and request.recompute not in RECOMPUTE_CHOICES:
+        raise PlanError(f"--recompute must be one of {', '.join(RECOMPUTE_CHOICES)}")
+
+
+def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None:
+    """Why the runtime could not execute this layout, or None."""
+    if layout.micro_batch * layout.num_microbatches * layout.dp != global_batch:
+        return (f"global batch {global_batch} is not micro_batch·num_microbatches·dp "
+                f"({layout.micro_batch}·{layout.num_microbatches}·{layout.dp}); choose a micro-batch dividing "
+                f"{global_batch // layout.dp if global_batch % layout.dp == 0 else 'B/dp'}")
+    for what, size in (("heads", ir.num_heads), ("kv heads", ir.num_kv_heads), ("hidden size", ir.hidden_size)):
+        if size % layout.tp:
+            return f"tp {layout.tp} does not divide the {what} ({size})"
+    if layout.pp * layout.vpp > ir.num_layers:
+        return f"pp·vpp = {layout.pp * layout.vpp} exceeds the {ir.num_layers} blocks"
+    if layout.pp > 1 and layout.num_microbatches < layout.pp:
+        return (f"1F1B needs at least pp = {layout.pp} micro-batches per step, got {layout.num_microbatches}: "
+                f"lower the micro-batch or raise the global batch")
+    if layout.vpp > 1 and (layout.pp == 1 or layout.num_microbatches % layout.pp):
+        return "the interleaved schedule needs pp > 1 and micro-batches divisible by pp"
+    if layout.sequence_parallel and layout.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    return None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[int]:
+    if request.tp:
+        return [request.tp]
+    return [t for t in _divisors(cluster.gpus_per_node) if request.num_gpus % t == 0 and ir.num_heads % t == 0
+            and ir.num_kv_heads % t == 0 and ir.hidden_size % t == 0]
+
+
+def _dp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[int]:
+    if request.dp:
+        return [request.dp]
+    out = set()
+    for tp in _tp_options(ir, request, cluster) or [1]:
+        for pp in _divisors(request.num_gpus // tp) if request.num_gpus % tp == 0 else []:
+            if (request.pp is None or pp == request.pp) and pp <= max(ir.num_layers, 1):
+                out.add(request.num_gpus // (tp * pp))
+    return sorted(out)
+
+
+def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Iterator[tuple[int, int, int, int]]:
+    zeros = [request.zero] if request.zero is not None else list(ZERO_CHOICES)
+    for tp in _tp_options(ir, request, cluster):
+        rest = request.num_gpus // tp
+        for pp in ([request.pp] if request.pp else _divisors(rest)):
+            if rest % pp or pp > ir.num_layers:
+                continue
+            dp = rest // pp
+            if (request.dp and dp != request.dp) or request.global_batch % dp:
+                continue
+            for zero in zeros:
+                if zero and dp == 1:
+                    continue  # nothing to shard over
+                yield tp, pp, dp, zero
+
+
+def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
+    per_replica = request.global_batch // dp
+    if request.micro_batch:
+        return [request.micro_batch] if per_replica % request.micro_batch == 0 else []
+    return [m for m in _divisors(per_replica) if m <= MAX_MICRO_BATCH]
+
+
+def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: int, ir: ModelIR
+                         ) -> Layout | None:
+    mbs = _micro_batches(request, dp)
+    if not mbs:
+        return None
+    mb = mbs[0]
+    sp = request.sequence_parallel if request.sequence_parallel is not None else tp > 1
+    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=request.global_batch // (dp * mb),
+                    vpp=1, sequence_parallel=sp and tp > 1, recompute=request.recompute or "full", zero=zero)
+    if layout_problem(ir, layout, request.global_batch):
+        return None
+    return layout
+
+
+def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int
+              ) -> Iterator[list[Layout]]:
+    """For each (micro-batch, vpp, sp): the runnable layouts in increasing recompute order."""
+    recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
+    sps = [request.sequence_parallel] if request.sequence_parallel is not None else (
+        [False, True] if tp > 1 else [False])
+    vpps = [request.vpp] if request.vpp else ([1] if pp == 1 else list(VPP_CHOICES))
+    for mb in _micro_batches(request, dp):
+        m = request.global_batch // (dp * mb)
+        for vpp in vpps:
+            for sp in sps:
+                levels = []
+                for rc in recomputes:
+                    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m, vpp=vpp,
+                                    sequence_parallel=bool(sp), recompute=rc, zero=zero)  # type: ignore[arg-type]
+                    if layout_problem(ir, layout, request.global_batch) is None:
+                        levels.append(layout)
+                if levels:
+                    yield levels
+
+
+def _batch_message(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> str:
+    dps = _dp_options(ir, request, cluster)
+    b = request.global_batch
+    if not dps:
+        return f"no tensor/pipeline split of {request.num_gpus} GPUs is possible for this model"
+    nearest = min((k * dp for dp in dps for k in (b // dp, b // dp + 1) if k), key=lambda x: (abs(x - b), x))
+    return (f"global batch {b} is not divisible by any data-parallel size possible on {request.num_gpus} GPUs "
+            f"({', '.join(map(str, dps[:8]))}{'…' if len(dps) > 8 else ''}): try --global-batch {nearest}")
+
+
+def _no_fit_message(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile,
+                    misses: list[Candidate]) -> str:
+    closest = min(misses, key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes,
+                  default=None)
+    need = smallest_gpu_count(ir, request, gpu, cluster)
+    hint = f"; it fits on {need} GPUs" if need else ""
+    if closest is None:
+        return f"no runnable layout for {request.num_gpus} GPUs with the pinned choices{hint}"
+    return (f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with any layout{hint} "
+            f"(closest: {closest.layout.describe()}: {closest.evaluation.reason})")
+
+
+def smallest_gpu_count(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile,
+                       limit: int = 1 << 17) -> int | None:
+    """The smallest whole-node GPU count (doubling, then refined) on which some least-memory layout fits."""
+    inputs = summarize(ir)
+
+    def fits(n: int) -> bool:
+        req = replace(request, num_gpus=n, dp=None)
+        try:
+            validate_request(ir, req, cluster)
+        except PlanError:
+            return False
+        for tp, pp, dp, zero in _groups(ir, req, cluster):
+            probe = _least_memory_layout(req, tp, pp, dp, zero, ir)
+            if probe is not None and evaluate(inputs, probe, gpu, cluster).fits:
+                return True
+        return False
+
+    node = cluster.gpus_per_node
+    n = node
+    while n <= limit and not fits(n):
+        n *= 2
+    if n > limit:
+        return None
+    lo = n // 2
+    for m in range(max(lo, node) + node, n, node):  # the first whole-node count above the last failure
+        if fits(m):
+            return m
+    return n

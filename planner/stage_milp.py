@@ -1,0 +1,138 @@
+"""Assign blocks to pipeline stages and choose how many to recompute: a small MILP solved with pulp.
+
+Formulation (S = pp·vpp virtual stages; virtual stage i runs on pipeline rank ρ(i) = i mod pp):
+
+    variables   n_i ∈ ℤ≥0   blocks on virtual stage i          r_i ∈ ℤ≥0   of them recomputed
+                T ≥ 0       the busiest pipeline rank's time per micro-batch
+    minimise    T + ε·Σ r_i                       (ε: recompute only where memory needs it)
+    subject to  Σ_i n_i = L                                         (every block placed once)
+                1 ≤ n_i (when L ≥ S),   r_i ≤ n_i                   (non-empty stages; recompute ⊆ blocks)
+                τ_i = n_i·t_b + r_i·t_r + [i=0]·t_pre + [i=S−1]·t_post     (virtual stage time)
+                Σ_{i: ρ(i)=p} τ_i ≤ T  ∀ ranks p,     vpp·τ_i ≤ T  ∀ i (interleaved: chunks balanced)
+                Σ_{i: ρ(i)=p} (n_i·w_b + [i=0]·w_pre + [i=S−1]·w_post
+                               + f_i·(n_i·a_b − r_i·(a_b − a_r) + [i=0]·a_pre + [i=S−1]·a_post)) ≤ C   ∀ ranks p
+
+t_b / t_r: forward+backward time of one block per micro-batch / the extra time when it is recomputed; w: static
+bytes (weights, gradients, optimizer state); a_b / a_r: activation bytes one in-flight micro-batch keeps per block
+without / with recompute; f_i: in-flight micro-batches of virtual stage i under the schedule; C: capacity minus
+reserve. Blocks are identical, so integer counts replace a binary per layer and the model stays tiny
+(2S+1 variables) whatever the depth. The step time follows as (m + (pp−1)/vpp)·T plus what does not overlap,
+which the cost model's evaluate() computes on the resulting assignment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulp
+
+from mlm.planner.errors import PlanError
+
+
+@dataclass(frozen=True)
+class StageProblem:
+    """The coefficients of one MILP instance (all per micro-batch; bytes and seconds)."""
+
+    num_blocks: int
+    pp: int
+    vpp: int
+    block_time_s: float
+    recompute_time_s: float  # extra time per recomputed block
+    pre_time_s: float  # layers before the blocks (embedding), on virtual stage 0
+    post_time_s: float  # layers after the blocks (final norm, head, loss), on the last virtual stage
+    block_static_bytes: float
+    pre_static_bytes: float
+    post_static_bytes: float
+    block_act_bytes: float  # per in-flight micro-batch, no recompute
+    block_act_recompute_bytes: float  # per in-flight micro-batch, recomputed
+    pre_act_bytes: float
+    post_act_bytes: float
+    inflight: tuple[float, ...]  # per virtual stage
+    capacity_bytes: float
+    allow_recompute: bool = True
+
+
+@dataclass(frozen=True)
+class StageSolution:
+    blocks_per_stage: tuple[int, ...]
+    recompute_blocks: tuple[int, ...]
+    bottleneck_s: float
+    status: str
+
+
+def solve_stages(problem: StageProblem, solver: str = "cbc", time_limit_s: float = 10.0) -> StageSolution | None:
+    """Solve the MILP; None when no assignment fits in memory."""
+    S = problem.pp * problem.vpp
+    if problem.num_blocks < S:
+        return None
+    prob = pulp.LpProblem("stages", pulp.LpMinimize)
+    n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=problem.num_blocks, cat="Integer") for i in range(S)]
+    r = [pulp.LpVariable(f"r{i}", lowBound=0, upBound=problem.num_blocks if problem.allow_recompute else 0,
+                         cat="Integer") for i in range(S)]
+    T = pulp.LpVariable("T", lowBound=0)
+    eps = 1e-3 * max(problem.recompute_time_s, 1e-12) / problem.num_blocks
+    prob += T + eps * pulp.lpSum(r)
+    _placement(prob, problem, n, r)
+    _rank_time(prob, problem, n, r, T)
+    _rank_memory(prob, problem, n, r)
+    status = prob.solve(_solver(solver, time_limit_s))
+    if pulp.LpStatus[status] != "Optimal":
+        return None
+    blocks = tuple(int(round(v.value())) for v in n)
+    recompute = tuple(int(round(v.value())) for v in r)
+    return StageSolution(blocks, recompute, float(T.value()), pulp.LpStatus[status])
+
+
+def _placement(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:
+    """Every block on exactly one stage; recomputed blocks are a subset of a stage's blocks."""
+    prob += pulp.lpSum(n) == p.num_blocks
+    for ni, ri in zip(n, r):
+        prob += ri <= ni
+
+
+def _ranks(p: StageProblem) -> list[list[int]]:
+    return [[i for i in range(p.pp * p.vpp) if i % p.pp == rank] for rank in range(p.pp)]
+
+
+def _rank_time(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, T: pulp.LpVariable) -> None:
+    """T bounds every pipeline rank's forward+backward(+recompute) time per micro-batch. Under the interleaved
+    schedule every chunk is on the critical path in turn, so vpp times each chunk's time is bounded as well
+    (otherwise one heavy chunk per rank would pass as balanced)."""
+    last = p.pp * p.vpp - 1
+
+    def stage_time(i: int) -> pulp.LpAffineExpression:
+        return (n[i] * p.block_time_s + r[i] * p.recompute_time_s + (p.pre_time_s if i == 0 else 0.0)
+                + (p.post_time_s if i == last else 0.0))
+
+    for stages in _ranks(p):
+        prob += pulp.lpSum(stage_time(i) for i in stages) <= T
+    if p.vpp > 1:
+        for i in range(p.pp * p.vpp):
+            prob += p.vpp * stage_time(i) <= T
+
+
+def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:
+    """Static bytes plus in-flight activations fit each rank's capacity."""
+    last = p.pp * p.vpp - 1
+    saved = p.block_act_bytes - p.block_act_recompute_bytes
+    scale = 1.0 / 2**30  # GiB keeps the coefficients well conditioned for the solver
+    for stages in _ranks(p):
+        terms = []
+        for i in stages:
+            f = p.inflight[i]
+            terms.append(n[i] * (p.block_static_bytes + f * p.block_act_bytes) * scale - r[i] * f * saved * scale)
+            if i == 0:
+                terms.append((p.pre_static_bytes + f * p.pre_act_bytes) * scale)
+            if i == last:
+                terms.append((p.post_static_bytes + f * p.post_act_bytes) * scale)
+        prob += pulp.lpSum(terms) <= p.capacity_bytes * scale
+
+
+def _solver(name: str, time_limit_s: float) -> pulp.LpSolver:
+    if name == "highs":
+        for cls in (getattr(pulp, "HiGHS", None), getattr(pulp, "HiGHS_CMD", None)):
+            if cls is not None:
+                solver = cls(msg=False, timeLimit=time_limit_s)
+                if solver.available():
+                    return solver
+        raise PlanError("--solver highs: HiGHS is not installed (pip install highspy), use --solver cbc")
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-7)

@@ -1,0 +1,75 @@
+"""Training batches that are the same under every layout: batch `step` depends only on (seed, step).
+
+Every rank draws the whole global batch (token ids are small) and keeps its data-parallel rows, so a plan with
+dp = 2 sees exactly the rows that dp = 1 sees, split in two. Sources: synthetic uniform tokens, or a flat binary
+file of token ids (uint16 or uint32, as nanoGPT's prepare.py and Megatron's preprocessors write), sampled at
+random offsets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mlm.planner.errors import PlanError
+
+DATA_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(PlanError):
+    """The --data file cannot feed the plan."""
+
+
+@dataclass(frozen=True)
+class TokenSource:
+    vocab: int
+    seq_len: int
+    global_batch: int
+    seed: int
+    path: Path | None = None
+    dtype: str = "uint16"
+
+    def check(self) -> None:
+        """Fail early, with one line, on a data file that cannot give one batch."""
+        if self.path is None:
+            return
+        if self.dtype not in DATA_DTYPES:
+            raise DataError(f"--data-dtype {self.dtype!r}: expected one of {', '.join(DATA_DTYPES)}")
+        if not self.path.is_file():
+            raise DataError(f"data file {self.path} does not exist")
+        n = self._tokens().shape[0]
+        if n < self.seq_len + 1:
+            raise DataError(f"data file {self.path} holds {n} tokens of {self.dtype}; one sample needs "
+                            f"seq_len + 1 = {self.seq_len + 1}")
+
+    def _tokens(self) -> np.ndarray:
+        assert self.path is not None
+        size = self.path.stat().st_size
+        itemsize = np.dtype(DATA_DTYPES[self.dtype]).itemsize
+        if size < itemsize:
+            return np.zeros(0, dtype=DATA_DTYPES[self.dtype])
+        return np.memmap(self.path, dtype=DATA_DTYPES[self.dtype], mode="r", shape=(size // itemsize,))
+
+    def global_batch_at(self, step: int) -> torch.Tensor:
+        """(global_batch, seq_len + 1) token ids for `step`."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        if self.path is None:
+            return torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=gen)
+        data = self._tokens()
+        starts = torch.randint(0, data.shape[0] - self.seq_len, (self.global_batch,), generator=gen).tolist()
+        rows = np.stack([np.asarray(data[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        tokens = torch.from_numpy(rows)
+        top = int(tokens.max())
+        if top >= self.vocab:
+            raise DataError(f"data file {self.path} holds token id {top}, outside the model's vocabulary of "
+                            f"{self.vocab} (wrong --data-dtype?)")
+        return tokens
+
+    def batch(self, step: int, dp_rank: int, dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel rank's (inputs, targets), each (global_batch / dp, seq_len)."""
+        tokens = self.global_batch_at(step)
+        rows = self.global_batch // dp
+        mine = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(device)
+        return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()  # user code may .view() them (nanoGPT)

@@ -1,0 +1,391 @@
+"""Build this rank's part of the plan and train: mesh -> stages -> TP -> recompute -> DP -> schedule -> loop.
+
+Called on every rank with the default process group already initialized (launch.py). Composes PyTorch's own
+pieces: DeviceMesh, parallelize_module + loss_parallel, torch.distributed.pipelining schedules, DDP / FSDP2,
+torch.utils.checkpoint and torch.distributed.checkpoint. What is written here by hand is only what torch does not
+provide: cutting an arbitrary eager model into stages (stages.py), the tied-weight all-reduce across stages and a
+global gradient norm over mixed DTensor / plain gradients across stages (optim.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mlm.planner.errors import Infeasible, PlanFileError
+from mlm.planner.loader import ModelSpec
+from mlm.planner.plan import Plan
+from mlm.runtime import checkpoint as ckpt
+from mlm.runtime.data import TokenSource
+from mlm.runtime.data_parallel import apply_data_parallel, apply_recompute, choose_data_parallel
+from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
+from mlm.runtime.model_build import (LOSS_LAYER, build_model, canonical_names, load_checked_spec,
+                                     owner_layer, plan_layers, record_layer_calls, tied_groups)
+from mlm.runtime.optim import (TiedCopy, build_optimizer, clip_grads, grad_norm, lr_factor, set_lr,
+                               sync_tied_grads)
+from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
+from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, sequence_parallel_start
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = 10
+    data: Path | None = None
+    data_dtype: str = "uint16"
+    save: Path | None = None
+    save_every: int = 0
+    resume: Path | None = None
+    device: str = "cpu"
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    seed: int = 0
+    max_grad_norm: float = 1.0
+    warmup_steps: int | None = None  # default: 10% of the decay horizon, at most 2000
+    lr_decay_steps: int | None = None  # default: steps (set it to the full run's length when stopping early)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float | None
+    predicted_step_time_s: float | None
+
+
+@dataclass
+class Runtime:
+    """Everything one rank built for the plan."""
+
+    plan: Plan
+    opts: RunOptions
+    info: MeshInfo
+    device: torch.device
+    stages: list[StageModule]  # this rank's stages (unwrapped), in stage order
+    runners: list[nn.Module]  # what executes each stage (DDP wrapper or the FSDP-sharded stage)
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    schedule: Any  # a torch.distributed.pipelining schedule, or None when pp == 1
+    tied: list[TiedCopy]
+    canonical: dict[str, str]
+    source: TokenSource
+    tp_contexts: Callable[[], contextlib.AbstractContextManager]
+    start_step: int = 0
+    records: list[StepRecord] = field(default_factory=list)
+
+
+def check_plan_runnable(plan: Plan) -> None:
+    """Everything about the plan itself that would fail after launch; raises a PlanError with one line."""
+    lay = plan.layout
+    check_supported(lay)
+    if lay.pp > 1 and lay.vpp > 1 and lay.num_microbatches % lay.pp != 0:
+        raise Infeasible(f"interleaved 1F1B needs num_microbatches ({lay.num_microbatches}) divisible by pp "
+                         f"({lay.pp})")
+    if lay.tp > 1:
+        if plan.model.num_heads % lay.tp:
+            raise Infeasible(f"tp = {lay.tp} does not divide the {plan.model.num_heads} attention heads")
+        if plan.model.vocab_size % lay.tp and "vocab" in plan.tensor_parallel.values():
+            raise Infeasible(f"tp = {lay.tp} does not divide the vocabulary ({plan.model.vocab_size}) for the "
+                             f"vocabulary-parallel embedding / head")
+        if lay.sequence_parallel and plan.training.seq_len % lay.tp:
+            raise Infeasible(f"sequence parallelism needs seq_len ({plan.training.seq_len}) divisible by tp")
+    if lay.micro_batch * lay.num_microbatches * lay.dp != plan.training.global_batch:
+        raise PlanFileError("plan.json: training.global_batch != micro_batch * num_microbatches * dp")
+
+
+def schedule_name(plan: Plan) -> str:
+    lay = plan.layout
+    if lay.pp == 1:
+        return "none"
+    if lay.vpp > 1:
+        return "interleaved-1f1b"
+    return "1f1b" if lay.num_microbatches >= lay.pp else "gpipe"  # 1F1B needs >= pp micro-batches
+
+
+def setup(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None) -> Runtime:
+    check_plan_runnable(plan)
+    lay = plan.layout
+    device = _device(opts.device)
+    info = build_mesh(lay, device.type)
+    spec = spec or load_checked_spec(plan)
+    calls = record_layer_calls(spec, plan, lay.micro_batch)
+    check_stage_boundaries(plan, calls)
+    model = build_model(spec, opts.seed, "cpu")
+    check_tp_map(plan.tensor_parallel, model)
+    canonical = canonical_names(model)
+    ties = tied_groups(model)  # before TP / FSDP replace the parameters of this rank's layers
+    seq_start = sequence_parallel_start(model, plan.tensor_parallel) if lay.sequence_parallel else None
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
+    mine = [i for i, r in enumerate(stage_ranks(plan)) if r == info.pp_rank]
+    stages: list[StageModule] = []
+    vocab_head = False
+    for i in mine:
+        stage = build_stage(model, spec.loss_fn, plan, i, calls, device, autocast).to(device)
+        if lay.tp > 1:
+            vocab_head |= apply_tensor_parallel(stage.inner.model, plan.tensor_parallel, info.tp_mesh,
+                                                lay.sequence_parallel, seq_start)
+        for fqn in plan.stages[i].recompute_layers:
+            if fqn != LOSS_LAYER:
+                apply_recompute(stage.inner.model.get_submodule(fqn), "selective" if lay.recompute == "selective"
+                                else "full")
+        stages.append(stage)
+    choice = choose_data_parallel(lay, schedule_name(plan))
+    runners = [apply_data_parallel(st, [st.inner.model.get_submodule(f) for f in st.layers], choice, info.dp_mesh)
+               for st in stages]
+    tied = _tied_copies(ties, plan, info, stages)
+    del model  # other stages' layers are freed; this rank keeps only its own
+    params = _unique_params(stages)
+    optimizer = build_optimizer(params, opts.optimizer, opts.lr)
+    schedule = _build_schedule(plan, stages, runners, info, device)
+    source = TokenSource(vocab=plan.model.vocab_size, seq_len=plan.training.seq_len,
+                         global_batch=plan.training.global_batch, seed=opts.seed, path=opts.data,
+                         dtype=opts.data_dtype)
+    source.check()
+    rt = Runtime(plan, opts, info, device, stages, runners, params, optimizer, schedule, tied, canonical, source,
+                 partial_contexts(lay.tp > 1, vocab_head, device))
+    if opts.resume is not None:
+        _resume(rt, opts.resume)
+    return rt
+
+
+def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callable[[], contextlib.ExitStack]:
+    """Contexts around forward + backward under tensor parallelism: loss_parallel must enclose the backward too
+    (so it wraps the whole schedule step); implicit_replication lets user code mix plain tensors (rotary tables,
+    masks) with DTensors; on CPU, attention uses the math kernel because DTensor has no sharding rule for the
+    CPU flash kernel."""
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if tp:
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            stack.enter_context(implicit_replication())
+            if vocab_head:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            if device.type == "cpu":
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        return stack
+
+    return enter
+
+
+def _device(name: str) -> torch.device:
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise Infeasible("--device cuda but no CUDA GPU is visible")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _unique_params(stages: list[StageModule]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    out = []
+    for st in stages:
+        for p in st.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _tied_copies(ties: list[list[str]], plan: Plan, info: MeshInfo, stages: list[StageModule]) -> list[TiedCopy]:
+    """Groups of ranks that each hold one copy of a weight tied across pipeline stages (created on every rank in
+    the same order, as new_group requires)."""
+    layers = plan_layers(plan)
+    stage_of = {fqn: i for i, s in enumerate(plan.stages) for fqn in s.layers}
+    ranks_of_stage = stage_ranks(plan)
+    lay = plan.layout
+    copies: list[TiedCopy] = []
+    for names in ties:
+        owners: dict[int, list[str]] = {}
+        for name in names:
+            owners.setdefault(ranks_of_stage[stage_of[owner_layer(name, layers)]], []).append(name)
+        if len(owners) < 2:
+            continue
+        stages_per_rank = {r: {stage_of[owner_layer(n, layers)] for n in ns} for r, ns in owners.items()}
+        if any(len(s) > 1 for s in stages_per_rank.values()):
+            raise PlanFileError(f"plan.json: tied parameters {', '.join(names)} lie on two stages of one pipeline "
+                                f"rank; place them on one stage or on different ranks")
+        pp_ranks = sorted(owners)
+        for d in range(lay.dp):
+            for t in range(lay.tp):
+                group = dist.new_group([info.global_rank(p, d, t) for p in pp_ranks])
+                if (d, t) == (info.dp_rank, info.tp_rank) and info.pp_rank in owners:
+                    name = owners[info.pp_rank][0]
+                    stage = next(st for st in stages if name.startswith(tuple(f + "." for f in st.layers)))
+                    param = stage.inner.model.get_parameter(name)
+                    copies.append(TiedCopy(param, group, primary=info.pp_rank == pp_ranks[0]))
+    return copies
+
+
+def _identity_loss(output: torch.Tensor, _target: Any) -> torch.Tensor:
+    return output.reshape(())  # the last stage already returns the training loss (TrainingModule)
+
+
+def _build_schedule(plan: Plan, stages: list[StageModule], runners: list[nn.Module], info: MeshInfo,
+                    device: torch.device) -> Any:
+    if plan.layout.pp == 1:
+        return None
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    n = plan.layout.num_microbatches
+    pstages = [PipelineStage(r, st.index, len(plan.stages), device, group=info.pp_group)
+               for r, st in zip(runners, stages)]
+    name = schedule_name(plan)
+    if name == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(pstages, n_microbatches=n, loss_fn=_identity_loss)
+    cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+    return cls(pstages[0], n_microbatches=n, loss_fn=_identity_loss)
+
+
+def _resume(rt: Runtime, directory: Path) -> None:
+    meta = ckpt.read_meta(directory)
+    if meta.get("model_sha256") != rt.plan.model.sha256:
+        raise ckpt.CheckpointError(f"--resume {directory}: saved for another model file (sha256 differs)")
+    if rt.opts.optimizer == "adamw":
+        ckpt.init_optimizer_state(rt.optimizer)
+    ckpt.load(directory, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical))
+    rt.start_step = int(meta["step"])
+
+
+def save_checkpoint(rt: Runtime, step: int) -> None:
+    assert rt.opts.save is not None
+    meta = {"model_sha256": rt.plan.model.sha256, "layout": rt.plan.layout.describe(), "seed": rt.opts.seed,
+            "optimizer": rt.opts.optimizer}
+    ckpt.save(rt.opts.save, step, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical), meta)
+
+
+# ---- the training loop ----
+
+def train(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None,
+          on_step: Callable[[StepRecord], None] | None = None) -> Runtime:
+    rt = setup(plan, opts, spec)
+    run_steps(rt, on_step)
+    return rt
+
+
+def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) -> None:
+    opts, lay = rt.opts, rt.plan.layout
+    decay = opts.lr_decay_steps or opts.steps
+    warmup = opts.warmup_steps if opts.warmup_steps is not None else max(1, min(2000, decay // 10))
+    flops = step_flops(rt.plan)
+    for step in range(rt.start_step, opts.steps):
+        start = time.perf_counter()
+        factor = lr_factor(step, warmup, decay)
+        set_lr(rt.optimizer, opts.lr, factor)
+        inputs, targets = rt.source.batch(step, rt.info.dp_rank, lay.dp, rt.device)
+        rt.optimizer.zero_grad(set_to_none=True)
+        with rt.tp_contexts():
+            loss_sum = _forward_backward(rt, inputs, targets)
+        sync_tied_grads(rt.tied)
+        exclude = {id(c.param) for c in rt.tied if not c.primary}
+        norm = grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude)
+        clip_grads(rt.params, opts.max_grad_norm, norm)
+        rt.optimizer.step()
+        loss = _global_loss(rt, loss_sum)
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        record = _record(rt, step, loss, float(norm), opts.lr * factor, elapsed, flops)
+        rt.records.append(record)
+        if on_step is not None:
+            on_step(record)
+        done = step + 1
+        if opts.save is not None and ((opts.save_every and done % opts.save_every == 0) or done == opts.steps):
+            save_checkpoint(rt, done)
+
+
+def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One global step's forward and backward on this rank; returns the sum of its micro-batch losses (zero on
+    ranks without the last stage)."""
+    n = rt.plan.layout.num_microbatches
+    if rt.schedule is not None:
+        losses: list[torch.Tensor] = []
+        rt.schedule.step(inputs=inputs, targets=targets, target=targets, losses=losses)
+        return sum((_plain(x).detach() for x in losses), torch.zeros((), device=rt.device))
+    runner = rt.runners[0]
+    total = torch.zeros((), device=rt.device)
+    for i, (inp, tgt) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+        with _grad_sync(runner, last=i == n - 1):
+            loss = runner(inputs=inp, targets=tgt).reshape(())
+            (loss / n).backward()
+        total = total + _plain(loss).detach()
+    return total
+
+
+@contextlib.contextmanager
+def _grad_sync(runner: nn.Module, last: bool) -> Iterator[None]:
+    """Gradient accumulation: reduce over dp only after the last micro-batch."""
+    if hasattr(runner, "no_sync") and not last:
+        with runner.no_sync():
+            yield
+        return
+    if hasattr(runner, "set_requires_gradient_sync"):
+        runner.set_requires_gradient_sync(last)
+    yield
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def _global_loss(rt: Runtime, loss_sum: torch.Tensor) -> float:
+    """The step's mean loss over the global batch, known on every rank."""
+    lay, info = rt.plan.layout, rt.info
+    holder = info.pp_rank == lay.pp - 1 and info.tp_rank == 0
+    value = (loss_sum.float() if holder else torch.zeros((), device=rt.device)).reshape(1).clone()
+    dist.all_reduce(value)
+    return float(value) / (lay.dp * lay.num_microbatches)
+
+
+def step_flops(plan: Plan) -> float:
+    """Model FLOPs of one global step, fwd + bwd without recompute (Korthikanti et al. 2022, eq. 3 without the
+    recompute term): 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
+    b, s = plan.training.global_batch, plan.training.seq_len
+    l, h, v = plan.model.num_layers, plan.model.hidden_size, plan.model.vocab_size
+    if not (l and h):
+        return 6.0 * plan.model.num_params * b * s
+    return 72.0 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+
+
+def peak_tflops(plan: Plan) -> float | None:
+    for key, value in plan.cluster.profile.items():
+        if "bf16" in key and "tflops" in key and isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return None
+
+
+def _record(rt: Runtime, step: int, loss: float, norm: float, lr: float, elapsed: float,
+            flops: float) -> StepRecord:
+    plan = rt.plan
+    tokens = plan.training.global_batch * plan.training.seq_len
+    tflops = flops / elapsed / plan.layout.world_size / 1e12
+    peak = peak_tflops(plan) if rt.device.type == "cuda" else None
+    predicted = plan.predicted.step_time_s if plan.predicted is not None else None
+    return StepRecord(step=step + 1, loss=loss, grad_norm=norm, lr=lr, step_time_s=elapsed,
+                      tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops,
+                      mfu=(tflops / peak) if peak else None, predicted_step_time_s=predicted)
+
+
+def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:
+    """This rank's parameters gathered to full tensors on CPU, by original FQN (collective over dp and tp)."""
+    out: dict[str, torch.Tensor] = {}
+    for st in rt.stages:
+        for name, p in st.named_parameters(remove_duplicate=False):
+            value = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[original_fqn(name)] = value.detach().cpu().clone()
+    return out

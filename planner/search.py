@@ -284,7 +284,9 @@ def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
     sps = [request.sequence_parallel] if request.sequence_parallel is not None else (
         [False, True] if tp > 1 else [False])
-    vpps = [request.vpp] if request.vpp else ([1] if pp == 1 else list(VPP_CHOICES))
+    # Megatron-LM's interleaved schedule needs the blocks to divide evenly into pp·vpp chunks
+    vpps = [request.vpp] if request.vpp else ([1] if pp == 1 else [
+        v for v in VPP_CHOICES if v == 1 or ir.num_layers % (pp * v) == 0])
     for mb in _micro_batches(request, dp):
         m = request.global_batch // (dp * mb)
         for vpp in vpps:
@@ -316,7 +318,12 @@ def _no_fit_message(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster:
     need = smallest_gpu_count(ir, request, gpu, cluster)
     hint = f"; it fits on {need} GPUs" if need else ""
     if closest is None:
-        return f"no runnable layout for {request.num_gpus} GPUs with the pinned choices{hint}"
+        pinned = any(getattr(request, k) is not None for k in ("tp", "pp", "dp", "micro_batch", "vpp",
+                                                               "recompute", "sequence_parallel", "zero"))
+        why = ("with the pinned choices" if pinned else
+               f"with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
+               f"the batch must split over dp): raise --global-batch or use fewer GPUs")
+        return f"no runnable layout for {request.num_gpus} GPUs {why}{hint}"
     return (f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with any layout{hint} "
             f"(closest: {closest.layout.describe()}: {closest.evaluation.reason})")
 

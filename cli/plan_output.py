@@ -61,13 +61,16 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
                   f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
                   f"{lay.num_microbatches} · {sched[lay.schedule]} · recompute {lay.recompute} · zero {lay.zero}")
     console.print(f"[bold green]predicted[/]  step {seconds(pred.step_time_s)} · {si(pred.tokens_per_s)} tokens/s · "
-                  f"{pred.model_tflops_per_gpu:.0f} TFLOP/s per GPU · MFU {100 * pred.mfu:.1f}% · peak memory "
+                  f"{pred.model_tflops_per_gpu:.{0 if pred.model_tflops_per_gpu >= 10 else 3}f} TFLOP/s per GPU · MFU {100 * pred.mfu:.1f}% · peak memory "
                   f"{gib(pred.peak_memory_bytes)} of {gib(summary['capacity_bytes'])}")
     table = Table(title="pipeline stages", show_edge=False)
     for col in ("stage", "rank", "blocks", "recompute", "memory", "time/micro-batch"):
         table.add_column(col, justify="right" if col not in ("stage",) else "left")
-    rows = plan.stages if len(plan.stages) <= 16 else plan.stages[:8] + plan.stages[-8:]
+    rows = plan.stages if len(plan.stages) <= 16 else [*plan.stages[:8], None, *plan.stages[-8:]]
     for st in rows:
+        if st is None:
+            table.add_row(f"… {len(plan.stages) - 16} more stages …", "", "", "", "", "")
+            continue
         blocks = sum(1 for name in st.layers if name in summary["block_names"])
         extra = [n for n in st.layers if n not in summary["block_names"]]
         label = f"{st.index}" + (f" (+{', '.join(extra)})" if extra and len(extra) <= 3 else

@@ -413,7 +413,7 @@ def _layer_ir(name: str, nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, 
         activations=Activations(sharded=acts["S"], replicated=acts["R"], attn_core=acts["core"],
                                 layer_input=sum(nbytes(val(a)) for a in inputs)),
         output_bytes=sum(nbytes(val(o)) for o in outputs), linears=tuple(linears),
-        block_group=group.fqn if in_block else None, ops=_op_graph(nodes, costs, params, name))
+        block_group=group.fqn if in_block else None, ops=_op_graph(nodes, costs, params, is_param))
 
 
 def _is_score_matrix(t: torch.Tensor | None, seq: int) -> bool:
@@ -476,8 +476,11 @@ def _module_of(n: torch.fx.Node) -> str | None:
 
 
 def _op_graph(nodes: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], params: dict[torch.fx.Node, str],
-              layer: str) -> nx.DiGraph:
-    """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on."""
+              inert: set[torch.fx.Node]) -> nx.DiGraph:
+    """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on.
+
+    Node attributes say where data enters: `reads_input` when an operand is an activation from an earlier layer
+    (the block's input), `constant` when the op does not depend on the batch (masks, rotary tables)."""
     g = nx.DiGraph()
     member = set(nodes)
     for n in nodes:
@@ -487,10 +490,29 @@ def _op_graph(nodes: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], pa
         t = val(n)
         g.add_node(n.name, kind=c.kind, op=op_name(n), module=_module_of(n), flops=c.flops,
                    shape=tuple(t.shape) if t is not None else (), bytes=nbytes(t),
-                   weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None))
+                   weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
+                   reads_input=_reads_outside(n, costs, member, inert), constant=n in inert)
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)
     return g
+
+
+def _reads_outside(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node],
+                   inert: set[torch.fx.Node]) -> bool:
+    """Whether n reads, directly or through the layer's own views, an activation produced before the layer."""
+    stack = list(_inputs(n))
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen or a in inert or a.op == "get_attr":
+            continue
+        seen.add(a)
+        if a not in member:
+            if val(a) is not None or a.op == "placeholder" or a.op == "call_function":
+                return True
+        elif costs[a].kind == "view":
+            stack.extend(_inputs(a))
+    return False
 
 
 def _compute_sources(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node]

@@ -37,7 +37,8 @@ forward + backward, is  c(v, k) = 2 * comm(k) / link  +  (1 - 1/tp) * [3 * flops
 for a replicated op  +  (1 - 1/tp) * 16 * params(v) * memory_weight  for a replicated linear, with ring collectives:
 all-reduce 2 (tp-1)/tp N bytes, all-gather and reduce-scatter (tp-1)/tp N (backward repeats the volume).
 
-The block's input is not a node of LayerIR.ops, so which ops read it is inferred: roots of full activation size,
+Capture marks the ops that read the block's input (`reads_input`) and those that do not depend on the batch
+(`constant`). For graphs without those marks, which ops read the input is inferred: roots of full activation size,
 ops whose output is larger than all their graph inputs (x * rsqrt(mean(x^2))), and single-input binary ops of
 the residual's shape (x + f(x)). Ops fed only by constants (rotary tables, masks) are left out: replicated, broadcast.
 """
@@ -230,6 +231,12 @@ def _classify_nodes(g: nx.DiGraph) -> tuple[set[str], set[str], tuple[int, ...]]
         preds = list(g.predecessors(n))
         live = [p for p in preds if p not in constants]
         size = _numel(d["shape"])
+        if "reads_input" in d:  # capture marks where the block input enters; no guessing needed
+            if d.get("constant"):
+                constants.add(n)
+            elif d["reads_input"]:
+                readers.add(n)
+            continue
         if d["kind"] == "linear":
             if not preds:
                 readers.add(n)

@@ -95,6 +95,8 @@ def load_plan(path: str | Path) -> Plan:
         text = Path(path).read_text()
     except OSError as e:
         raise PlanFileError(f"cannot read plan {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise PlanFileError(f"{path} is not a plan.json (not UTF-8 text: byte {e.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

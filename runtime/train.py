@@ -9,6 +9,7 @@ global gradient norm over mixed DTensor / plain gradients across stages (optim.p
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from mlm.planner.loader import ModelSpec
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.data import TokenSource
+from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.data_parallel import apply_data_parallel, apply_recompute, choose_data_parallel
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (LOSS_LAYER, build_model, canonical_names, load_checked_spec,
@@ -48,6 +50,7 @@ class RunOptions:
     max_grad_norm: float = 1.0
     warmup_steps: int | None = None  # default: 10% of the decay horizon, at most 2000
     lr_decay_steps: int | None = None  # default: steps (set it to the full run's length when stopping early)
+    skip_nonfinite: bool = False  # drop the update of a step whose loss or gradient is not finite, and count it
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class StepRecord:
     tflops_per_gpu: float
     mfu: float | None
     predicted_step_time_s: float | None
+    skipped: bool = False  # the update was dropped (non-finite loss or gradient, --skip-nonfinite)
 
 
 @dataclass
@@ -82,6 +86,10 @@ class Runtime:
     tp_contexts: Callable[[], contextlib.AbstractContextManager]
     start_step: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM / SIGINT (faults.py)
+    stopped_by: str | None = None  # the signal that ended the run early
+    saved_step: int | None = None  # the step of the last checkpoint this run wrote
+    skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (--skip-nonfinite)
 
 
 def check_plan_runnable(plan: Plan) -> None:
@@ -263,10 +271,24 @@ def _resume(rt: Runtime, directory: Path) -> None:
 
 
 def save_checkpoint(rt: Runtime, step: int) -> None:
+    """Save this step's state (collective); refuses a state with non-finite parameters (never saved over a good
+    checkpoint)."""
     assert rt.opts.save is not None
+    bad = torch.zeros(1, device=rt.device)
+    with torch.no_grad():
+        for p in rt.params:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if not bool(torch.isfinite(local).all()):
+                bad.fill_(1.0)
+                break
+    dist.all_reduce(bad)
+    if float(bad) > 0:
+        raise NonFiniteError(f"step {step}: the parameters hold NaN or infinite values; not saving them over the "
+                             f"checkpoint in {rt.opts.save}")
     meta = {"model_sha256": rt.plan.model.sha256, "layout": rt.plan.layout.describe(), "seed": rt.opts.seed,
             "optimizer": rt.opts.optimizer}
     ckpt.save(rt.opts.save, step, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical), meta)
+    rt.saved_step = step
 
 
 # ---- the training loop ----
@@ -279,10 +301,14 @@ def train(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None,
 
 
 def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) -> None:
+    """Train from rt.start_step to opts.steps. Stops early, after finishing the step and saving (when --save),
+    if any rank got SIGTERM / SIGINT (rt.stop); raises NonFiniteError on a non-finite step unless
+    skip_nonfinite."""
     opts, lay = rt.opts, rt.plan.layout
     decay = opts.lr_decay_steps or opts.steps
     warmup = opts.warmup_steps if opts.warmup_steps is not None else max(1, min(2000, decay // 10))
     flops = step_flops(rt.plan)
+    inject = injection_from_env()
     for step in range(rt.start_step, opts.steps):
         start = time.perf_counter()
         factor = lr_factor(step, warmup, decay)
@@ -291,22 +317,59 @@ def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) 
         rt.optimizer.zero_grad(set_to_none=True)
         with rt.tp_contexts():
             loss_sum = _forward_backward(rt, inputs, targets)
+        if inject is not None and inject.step == step + 1 and inject.rank == dist.get_rank():
+            loss_sum = _inject(rt, inject, loss_sum)
         sync_tied_grads(rt.tied)
         exclude = {id(c.param) for c in rt.tied if not c.primary}
         norm = grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude)
-        clip_grads(rt.params, opts.max_grad_norm, norm)
-        rt.optimizer.step()
-        loss = _global_loss(rt, loss_sum)
+        loss, stop, nonfinite = _reduce_step(rt, loss_sum, float(norm))
+        skipped = False
+        if nonfinite:
+            if not opts.skip_nonfinite:
+                raise NonFiniteError(_nonfinite_message(rt, step + 1, loss, float(norm)))
+            rt.optimizer.zero_grad(set_to_none=True)  # drop this step's update; parameters stay finite
+            rt.skipped.append(step + 1)
+            skipped = True
+        else:
+            clip_grads(rt.params, opts.max_grad_norm, norm)
+            rt.optimizer.step()
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        record = _record(rt, step, loss, float(norm), opts.lr * factor, elapsed, flops)
+        record = _record(rt, step, loss, float(norm), opts.lr * factor, elapsed, flops, skipped)
         rt.records.append(record)
         if on_step is not None:
             on_step(record)
         done = step + 1
-        if opts.save is not None and ((opts.save_every and done % opts.save_every == 0) or done == opts.steps):
+        due = (opts.save_every and done % opts.save_every == 0) or done == opts.steps
+        if opts.save is not None and (due or stop):
             save_checkpoint(rt, done)
+        if stop:
+            rt.stopped_by = rt.stop.signal_name or "a signal on another rank"
+            return
+
+
+def _inject(rt: Runtime, inject: Injection, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The MLM_INJECT_NONFINITE test hook (faults.py)."""
+    if inject.kind == "grad":
+        for p in rt.params:
+            if p.grad is not None:
+                (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).fill_(float("nan"))
+                break
+        return loss_sum
+    return loss_sum + float("nan")
+
+
+def _nonfinite_message(rt: Runtime, step: int, loss: float, norm: float) -> str:
+    what = "loss" if not math.isfinite(loss) else "gradient norm"
+    kept = ""
+    if rt.opts.save is not None:
+        last = rt.saved_step if rt.saved_step is not None else ckpt.latest_step(rt.opts.save)
+        kept = (f"; the checkpoint in {rt.opts.save} (step {last}) is untouched" if last is not None
+                else "; nothing was saved")
+    return (f"step {step}: non-finite {what} (loss {loss}, gradient norm {norm}); stopped before the optimizer "
+            f"step{kept}. Lower --lr or --max-grad-norm, check the data, or pass --skip-nonfinite to drop such "
+            f"steps")
 
 
 def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -343,13 +406,20 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def _global_loss(rt: Runtime, loss_sum: torch.Tensor) -> float:
-    """The step's mean loss over the global batch, known on every rank."""
+def _reduce_step(rt: Runtime, loss_sum: torch.Tensor, norm: float) -> tuple[float, bool, bool]:
+    """One all-reduce per step gives every rank the step's mean loss over the global batch, whether any rank was
+    asked to stop (SIGTERM / SIGINT), and whether any rank saw a non-finite loss or gradient norm."""
     lay, info = rt.plan.layout, rt.info
     holder = info.pp_rank == lay.pp - 1 and info.tp_rank == 0
-    value = (loss_sum.float() if holder else torch.zeros((), device=rt.device)).reshape(1).clone()
+    loss = loss_sum.float().reshape(1) if holder else torch.zeros(1, device=rt.device)
+    loss_bad = not bool(torch.isfinite(loss).all())
+    flags = [1.0 if rt.stop.requested else 0.0, 1.0 if loss_bad else 0.0, 0.0 if math.isfinite(norm) else 1.0]
+    value = torch.cat([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0),
+                       torch.tensor(flags, device=rt.device)])
     dist.all_reduce(value)
-    return float(value) / (lay.dp * lay.num_microbatches)
+    stop, any_loss_bad, any_norm_bad = (float(v) > 0 for v in value[1:])
+    mean = float("nan") if any_loss_bad else float(value[0]) / (lay.dp * lay.num_microbatches)
+    return mean, stop, any_loss_bad or any_norm_bad
 
 
 def step_flops(plan: Plan) -> float:
@@ -370,7 +440,7 @@ def peak_tflops(plan: Plan) -> float | None:
 
 
 def _record(rt: Runtime, step: int, loss: float, norm: float, lr: float, elapsed: float,
-            flops: float) -> StepRecord:
+            flops: float, skipped: bool = False) -> StepRecord:
     plan = rt.plan
     tokens = plan.training.global_batch * plan.training.seq_len
     tflops = flops / elapsed / plan.layout.world_size / 1e12
@@ -378,7 +448,7 @@ def _record(rt: Runtime, step: int, loss: float, norm: float, lr: float, elapsed
     predicted = plan.predicted.step_time_s if plan.predicted is not None else None
     return StepRecord(step=step + 1, loss=loss, grad_norm=norm, lr=lr, step_time_s=elapsed,
                       tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops,
-                      mfu=(tflops / peak) if peak else None, predicted_step_time_s=predicted)
+                      mfu=(tflops / peak) if peak else None, predicted_step_time_s=predicted, skipped=skipped)
 
 
 def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:

@@ -1,8 +1,14 @@
 """Why the chosen layout won: the reason each alternative lost, and why each dimension took its value."""
 from __future__ import annotations
 
-from mlm.planner.layout import Layout
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable
+
+from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
 from mlm.planner.search import Candidate, SearchResult
+
+if TYPE_CHECKING:
+    from mlm.planner.cost import Evaluation
 
 BREAKDOWN_LABELS = {
     "compute_s": "compute", "tp_comm_s": "tensor-parallel communication", "pp_comm_s": "pipeline send/recv",
@@ -35,19 +41,85 @@ def alternatives(result: SearchResult, k: int) -> list[dict[str, object]]:
     return rows
 
 
-def explain_dimensions(result: SearchResult) -> dict[str, str]:
-    """For each dimension: the best layout that differs there, and what it would cost."""
+MESH = ("tp", "pp", "dp")
+# a layout's evaluation (with these blocks per stage, None: balanced), or why it cannot run
+WhatIf = Callable[[Layout, "tuple[int, ...] | None"], "Evaluation | str"]
+
+
+def explain_dimensions(result: SearchResult, what_if: WhatIf | None = None,
+                       pinned: frozenset[str] = frozenset()) -> dict[str, str]:
+    """For each dimension, why it took its value. Mesh sizes (tp, pp, dp) move together, so they are compared with
+    the best layout that has another value there (named, since it differs elsewhere too). The other dimensions
+    are compared all else equal: the chosen layout with only that dimension changed, taken from the ranking or,
+    when the search pruned it (e.g. more recompute than needed), evaluated through `what_if` on the chosen
+    layout's blocks per stage."""
     best = result.best
     out: dict[str, str] = {}
     for dim in DIMENSIONS:
         chosen = getattr(best.layout, dim)
-        rival = next((c for c in result.ranked if getattr(c.layout, dim) != chosen), None)
-        if rival is None:
-            out[dim] = f"{dim}={chosen}: the only value that fits or is allowed (pinned or forced by divisibility)"
-            continue
-        other = getattr(rival.layout, dim)
-        out[dim] = f"{dim}={chosen}: the best layout with {dim}={other} is {why_slower(rival, best)}"
+        if dim in pinned:
+            out[dim] = f"{dim}={chosen}: pinned on the command line"
+        elif dim in MESH or what_if is None:
+            out[dim] = _mesh_reason(result, dim, chosen)
+        else:
+            out[dim] = _one_change_reason(result, dim, chosen, what_if)
     return out
+
+
+def _mesh_reason(result: SearchResult, dim: str, chosen: object) -> str:
+    best = result.best
+    rival = next((c for c in result.ranked if getattr(c.layout, dim) != chosen), None)
+    if rival is None:
+        return f"{dim}={chosen}: the only value with a layout that fits and can run"
+    other = getattr(rival.layout, dim)
+    return (f"{dim}={chosen}: the best layout with {dim}={other} ({rival.layout.describe()}) is "
+            f"{why_slower(rival, best)}")
+
+
+def _one_change_reason(result: SearchResult, dim: str, chosen: object, what_if: WhatIf) -> str:
+    best = result.best
+    lay = best.layout
+    parts = []
+    for other in _other_values(lay, dim):
+        changes: dict[str, object] = {dim: other}
+        if dim == "micro_batch":
+            changes["num_microbatches"] = lay.global_batch // (lay.dp * int(other))  # type: ignore[call-overload]
+        rival_layout = replace(lay, **changes)  # type: ignore[arg-type]
+        known = next((c for c in result.ranked if c.layout == rival_layout), None)
+        if known is not None:
+            parts.append(f"{dim}={other} is {why_slower(known, best)}")
+            continue
+        same_stages = rival_layout.vpp == lay.vpp and best.assignment is not None
+        ev = what_if(rival_layout, best.assignment.blocks_per_stage if same_stages else None)  # type: ignore
+        if isinstance(ev, str):
+            parts.append(f"{dim}={other} cannot run ({ev})")
+        elif not ev.fits:
+            parts.append(f"{dim}={other} does not fit (peak {ev.peak_memory_bytes / 2**30:.1f} of "
+                         f"{ev.capacity_bytes / 2**30:.1f} GiB)")
+        else:
+            parts.append(f"{dim}={other} is {why_slower(Candidate(rival_layout, ev), best)}")
+    if not parts:
+        why = {"vpp": "no pipeline (pp=1), so nothing to interleave", "zero": "dp=1, so nothing to shard",
+               "sequence_parallel": "sequence parallelism needs tp > 1"}.get(dim, "the only value possible here")
+        return f"{dim}={chosen}: {why}"
+    return f"{dim}={chosen}: all else equal, " + "; ".join(parts)
+
+
+def _other_values(lay: Layout, dim: str) -> list[object]:
+    """The values worth comparing with the chosen one, all else equal."""
+    if dim == "recompute":
+        return [r for r in RECOMPUTE_CHOICES if r != lay.recompute]
+    if dim == "zero":
+        return [z for z in ZERO_CHOICES if z != lay.zero] if lay.dp > 1 else []
+    if dim == "sequence_parallel":
+        return [not lay.sequence_parallel] if lay.tp > 1 else []
+    if dim == "vpp":
+        return [] if lay.pp == 1 else ([1] if lay.vpp > 1 else [2])
+    if dim == "micro_batch":
+        per_replica = lay.global_batch // lay.dp
+        return [m for m in (lay.micro_batch // 2, lay.micro_batch * 2)
+                if m >= 1 and m != lay.micro_batch and per_replica % m == 0]
+    return []
 
 
 def _layout_dict(layout: Layout) -> dict[str, object]:

@@ -4,10 +4,14 @@ MILP refining the best candidates.
 Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are few enough to enumerate
 once divisibility rules are applied. Each is scored by the cost model with balanced stages (pure arithmetic,
 microseconds), pruned with two monotonicity facts of the memory model: if the least memory-hungry variant of a
-(tp, pp, zero) group (micro-batch 1, full recompute, sequence parallelism) does not fit, no variant does; and for
-fixed other choices, more recompute only adds time, so the first recompute level that fits is the only one kept.
-The top candidates then get the stage MILP (planner/stage_milp.py): uneven blocks per stage and per-stage
-recompute counts, re-scored by the same cost model.
+(tp, pp, zero) group (micro-batch 1, vpp 1, full recompute, sequence parallelism; selective recompute is tried as
+well, since a GPU with one block and one in-flight micro-batch needs more memory under full recompute) does not
+fit, no variant does; and for fixed other choices, more recompute only adds time, so the first recompute level
+that fits is the only one kept. A group whose probe overflows with balanced stages gets the stage MILP before it
+is discarded (uneven stages can move blocks off the embedding's / head's stage); there each (vpp, sp) is tried
+at its most memory-saving recompute level, the MILP choosing the per-stage recompute counts. The top candidates
+then get the stage MILP (planner/stage_milp.py): uneven blocks per stage and per-stage recompute counts,
+re-scored by the same cost model.
 """
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     feasible: dict[Layout, Candidate] = {}
     misses: list[Candidate] = []
     evaluated = 0
+    solves = 0
     for group in _groups(ir, request, cluster):
         tp, pp, dp, zero = group
         probe = _least_memory_layout(request, tp, pp, dp, zero, ir)
@@ -84,8 +89,17 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
             continue
         ev = evaluate(inputs, probe, gpu, cluster)
         evaluated += 1
+        if not ev.fits and request.recompute is None:
+            ev = _second_probe(inputs, probe, ev, gpu, cluster)
+            evaluated += 1
         if not ev.fits:
-            misses.append(Candidate(probe, ev))
+            # balanced stages overflow; uneven ones (fewer blocks where the embedding / head sit) may not
+            uneven, tried = fit_uneven(inputs, probe, ev, gpu, cluster, request)
+            solves += tried
+            if uneven is None:
+                misses.append(Candidate(probe, ev))
+                continue
+            solves += _tight_group(inputs, ir, request, group, gpu, cluster, feasible)
             continue
         for layout_rc in _variants(ir, request, tp, pp, dp, zero):
             for layout in layout_rc:  # recompute levels, cheapest first: keep the first that fits
@@ -97,13 +111,12 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     if not feasible:
         raise Infeasible(_no_fit_message(ir, request, gpu, cluster, misses))
     ranked = sorted(feasible.values(), key=lambda c: c.evaluation.step_time_s)
-    solves = 0
     refined: list[Candidate] = []
     for cand in ranked[: request.refine]:
         better, tried = refine_stages(inputs, cand, gpu, cluster, request)
         solves += tried
         refined.append(better)
-    ranked = sorted(refined + ranked[request.refine:], key=lambda c: c.evaluation.step_time_s)
+    ranked = _distinct(sorted(refined + ranked[request.refine:], key=lambda c: c.evaluation.step_time_s))
     misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
     return SearchResult(best=ranked[0], ranked=ranked, infeasible=misses[:3], evaluated=evaluated,
                         seconds=time.perf_counter() - start, milp_solves=solves)
@@ -113,18 +126,81 @@ def refine_stages(inputs: object, cand: Candidate, gpu: GPUProfile, cluster: Clu
                   request: PlanRequest) -> tuple[Candidate, int]:
     """Re-place blocks (uneven) and choose per-stage recompute counts with the MILP; keep what is faster."""
     layout = cand.layout
-    if layout.pp == 1 and layout.recompute == "none":
-        return cand, 0
-    problem = stage_problem(inputs, layout, gpu, cluster)
-    solution = solve_stages(problem, request.solver, request.time_limit_s)
-    if solution is None:
-        return cand, 1
-    assignment = StageAssignment(blocks_per_stage=solution.blocks_per_stage,
-                                 recompute_blocks=solution.recompute_blocks)
-    ev = evaluate(inputs, layout, gpu, cluster, assignment)
-    if ev.fits and ev.step_time_s < cand.evaluation.step_time_s:
-        return Candidate(layout, ev, assignment), 1
+    if cand.assignment is not None or (layout.pp == 1 and layout.recompute == "none"):
+        return cand, 0  # already placed by the MILP, or nothing to place
+    better = _solve(inputs, layout, gpu, cluster, request)
+    if better is not None and better.evaluation.step_time_s < cand.evaluation.step_time_s:
+        return better, 1
     return cand, 1
+
+
+def fit_uneven(inputs: object, layout: Layout, balanced: Evaluation, gpu: GPUProfile, cluster: ClusterProfile,
+               request: PlanRequest) -> tuple[Candidate | None, int]:
+    """`layout` with the stage MILP's assignment when balanced stages overflow but uneven ones fit, else None.
+    Skipped when no assignment can fit: the static bytes (weights, gradients, optimizer state) and the reserve
+    do not depend on where the blocks go, so if their total exceeds pp GPUs' memory nothing helps."""
+    if layout.pp == 1:
+        return None, 0
+    static = sum(m.static + m.reserve for m in balanced.rank_memory)
+    if static > layout.pp * balanced.capacity_bytes:
+        return None, 0
+    return _solve(inputs, layout, gpu, cluster, request), 1
+
+
+def _solve(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
+           ) -> Candidate | None:
+    """The stage MILP's assignment for `layout`, scored by the cost model; None if it does not fit. A solution
+    that recomputes no block is reported as recompute "none" (the same time and memory, and what it really is)."""
+    solution = solve_stages(stage_problem(inputs, layout, gpu, cluster), request.solver, request.time_limit_s)
+    if solution is None:
+        return None
+    recompute: tuple[int, ...] | None = solution.recompute_blocks
+    if layout.recompute != "none" and not any(solution.recompute_blocks):
+        layout, recompute = replace(layout, recompute="none"), None
+    assignment = StageAssignment(blocks_per_stage=solution.blocks_per_stage, recompute_blocks=recompute)
+    ev = evaluate(inputs, layout, gpu, cluster, assignment)
+    return Candidate(layout, ev, assignment) if ev.fits else None
+
+
+def _second_probe(inputs: object, probe: Layout, ev: Evaluation, gpu: GPUProfile, cluster: ClusterProfile
+                  ) -> Evaluation:
+    """Full recompute is not always the least memory: a GPU holding one block and one in-flight micro-batch keeps
+    that block's input and, while recomputing it, all its activations: more than selective recompute keeps.
+    Returns the selective probe's evaluation when it fits, else `ev`."""
+    other = evaluate(inputs, replace(probe, recompute="selective"), gpu, cluster)
+    return other if other.fits else ev
+
+
+def _tight_group(inputs: object, ir: ModelIR, request: PlanRequest, group: tuple[int, int, int, int],
+                 gpu: GPUProfile, cluster: ClusterProfile, feasible: dict[Layout, Candidate]) -> int:
+    """A group whose least-memory probe fits only with uneven stages: give each (vpp, sp) its most memory-saving
+    recompute level, placed by the MILP, for growing micro-batches until one does not fit (memory grows with the
+    micro-batch). The MILP still picks how many blocks per stage actually recompute. Returns the solves made."""
+    solves = 0
+    dead: set[tuple[int, bool]] = set()
+    for levels in _variants(ir, request, *group):
+        layout = levels[-1]
+        key = (layout.vpp, layout.sequence_parallel)
+        if key in dead:
+            continue
+        cand = _solve(inputs, layout, gpu, cluster, request)
+        solves += 1
+        if cand is None:
+            dead.add(key)
+        else:
+            feasible.setdefault(cand.layout, cand)
+    return solves
+
+
+def _distinct(ranked: list[Candidate]) -> list[Candidate]:
+    """Keep the fastest candidate of each layout (refinement can turn two entries into the same layout)."""
+    seen: set[Layout] = set()
+    out = []
+    for cand in ranked:
+        if cand.layout not in seen:
+            seen.add(cand.layout)
+            out.append(cand)
+    return out
 
 
 def stage_problem(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> StageProblem:
@@ -192,6 +268,14 @@ def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile)
     if request.tp and request.tp > node:
         raise Infeasible(f"--tp {request.tp} exceeds the {node} GPUs of one {cluster.name} node: tensor "
                          f"parallelism needs NVLink; use --tp {node} or less")
+    if request.vpp and request.vpp > 1 and (request.pp == 1 or n == 1):
+        raise Infeasible(f"--vpp {request.vpp} needs pipeline parallelism: the interleaved schedule splits each "
+                         f"pipeline rank's blocks into chunks; pin --pp > 1 or use --vpp 1")
+    if request.sequence_parallel and not any(t > 1 for t in _tp_options(ir, request, cluster)):
+        raise Infeasible("--sequence-parallel needs tensor parallelism (tp > 1), and "
+                         + ("--tp is pinned to 1" if request.tp == 1 else
+                            f"no tp > 1 divides the heads and hidden size and {n} GPUs")
+                         + ": drop --sequence-parallel or allow a larger --tp")
     if not any(request.global_batch % dp == 0 for dp in _dp_options(ir, request, cluster)):
         raise Infeasible(_batch_message(ir, request, cluster))
     if request.recompute is not None and request.recompute not in RECOMPUTE_CHOICES:
@@ -316,43 +400,53 @@ def _no_fit_message(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster:
     closest = min(misses, key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes,
                   default=None)
     need = smallest_gpu_count(ir, request, gpu, cluster)
-    hint = f"; it fits on {need} GPUs" if need else ""
+    pinned = any(getattr(request, k) is not None for k in ("tp", "pp", "dp", "micro_batch", "vpp",
+                                                           "recompute", "sequence_parallel", "zero"))
+    with_pins = " with the pinned choices" if pinned else ""
+    # smallest_gpu_count only looks above the request, so a hint never contradicts the failure it explains
+    hint = f"; it fits on {need} GPUs{with_pins}" if need else ""
     if closest is None:
-        pinned = any(getattr(request, k) is not None for k in ("tp", "pp", "dp", "micro_batch", "vpp",
-                                                               "recompute", "sequence_parallel", "zero"))
-        why = ("with the pinned choices" if pinned else
-               f"with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
+        why = (with_pins if pinned else
+               f" with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
                f"the batch must split over dp): raise --global-batch or use fewer GPUs")
-        return f"no runnable layout for {request.num_gpus} GPUs {why}{hint}"
-    return (f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with any layout{hint} "
+        return f"no runnable layout for {request.num_gpus} GPUs{why}{hint}"
+    layouts = "the pinned choices" if pinned else "any layout"
+    return (f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with {layouts}{hint} "
             f"(closest: {closest.layout.describe()}: {closest.evaluation.reason})")
 
 
 def smallest_gpu_count(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile,
                        limit: int = 1 << 17) -> int | None:
-    """The smallest whole-node GPU count (doubling, then refined) on which some least-memory layout fits."""
+    """The smallest GPU count above request.num_gpus on which some least-memory layout fits (with the request's
+    pins, --dp included): counts up to one node one by one, then whole nodes by doubling, then refined."""
     inputs = summarize(ir)
 
     def fits(n: int) -> bool:
-        req = replace(request, num_gpus=n, dp=None)
+        req = replace(request, num_gpus=n)
         try:
             validate_request(ir, req, cluster)
         except PlanError:
             return False
         for tp, pp, dp, zero in _groups(ir, req, cluster):
             probe = _least_memory_layout(req, tp, pp, dp, zero, ir)
-            if probe is not None and evaluate(inputs, probe, gpu, cluster).fits:
+            if probe is None:
+                continue
+            ev = evaluate(inputs, probe, gpu, cluster)
+            if ev.fits or fit_uneven(inputs, probe, ev, gpu, cluster, req)[0] is not None:
                 return True
         return False
 
     node = cluster.gpus_per_node
-    n = node
+    for n in range(request.num_gpus + 1, node + 1):  # within one node any count is allowed
+        if fits(n):
+            return n
+    lo = max(node, request.num_gpus // node * node)  # the last whole-node count known not to be the answer
+    n = lo * 2
     while n <= limit and not fits(n):
-        n *= 2
+        lo, n = n, n * 2
     if n > limit:
         return None
-    lo = n // 2
-    for m in range(max(lo, node) + node, n, node):  # the first whole-node count above the last failure
+    for m in range(lo + node, n, node):  # the first whole-node count above the last failure
         if fits(m):
             return m
     return n

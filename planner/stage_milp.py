@@ -3,20 +3,25 @@
 Formulation (S = pp·vpp virtual stages; virtual stage i runs on pipeline rank ρ(i) = i mod pp):
 
     variables   n_i ∈ ℤ≥0   blocks on virtual stage i          r_i ∈ ℤ≥0   of them recomputed
-                T ≥ 0       the busiest pipeline rank's time per micro-batch
-    minimise    T + ε·Σ r_i                       (ε: recompute only where memory needs it)
+                T ≥ 0       the busiest pipeline rank's time per micro-batch (or vpp × the heaviest chunk)
+                U, M_p ≥ 0  (vpp > 1) the busiest rank's time; rank p's heaviest chunk
+    minimise    T + ε·Σ r_i + δ·(U + Σ_p M_p)     (ε: recompute only where memory needs it; δ: tie-breaks)
     subject to  Σ_i n_i = L                                         (every block placed once)
                 1 ≤ n_i (when L ≥ S),   r_i ≤ n_i                   (non-empty stages; recompute ⊆ blocks)
                 τ_i = n_i·t_b + r_i·t_r + [i=0]·t_pre + [i=S−1]·t_post     (virtual stage time)
                 Σ_{i: ρ(i)=p} τ_i ≤ T  ∀ ranks p,     vpp·τ_i ≤ T  ∀ i (interleaved: chunks balanced)
+                Σ_{i: ρ(i)=p} τ_i ≤ U,   τ_i ≤ M_ρ(i)                     (vpp > 1 only)
                 Σ_{i: ρ(i)=p} (n_i·w_b + [i=0]·w_pre + [i=S−1]·w_post
                                + f_i·(n_i·a_b − r_i·(a_b − a_r) + [i=0]·a_pre + [i=S−1]·a_post)) ≤ C   ∀ ranks p
 
 t_b / t_r: forward+backward time of one block per micro-batch / the extra time when it is recomputed; w: static
 bytes (weights, gradients, optimizer state); a_b / a_r: activation bytes one in-flight micro-batch keeps per block
 without / with recompute; f_i: in-flight micro-batches of virtual stage i under the schedule; C: capacity minus
-reserve. Blocks are identical, so integer counts replace a binary per layer and the model stays tiny
-(2S+1 variables) whatever the depth. The step time follows as (m + (pp−1)/vpp)·T plus what does not overlap,
+reserve. With vpp > 1 one heavy chunk (the head's) can set T by itself, leaving every other assignment optimal,
+including ones that pile blocks on one chunk or leave a rank heavier than needed; the δ terms (δ = 1e-4, far
+below one block's time) then pick the one with the lightest busiest rank (what the cost model's pipeline time
+reads) and each rank's chunks as even as the blocks allow. Blocks are identical, so integer counts replace a binary per layer and the model stays tiny
+(2S+1 variables, pp+2 more when vpp > 1) whatever the depth. The step time follows as (m + (pp−1)/vpp)·T plus what does not overlap,
 which the cost model's evaluate() computes on the resulting assignment.
 """
 from __future__ import annotations
@@ -70,7 +75,13 @@ def solve_stages(problem: StageProblem, solver: str = "cbc", time_limit_s: float
                          cat="Integer") for i in range(S)]
     T = pulp.LpVariable("T", lowBound=0)
     eps = 1e-3 * max(problem.recompute_time_s, 1e-12) / problem.num_blocks
-    prob += T + eps * pulp.lpSum(r)
+    objective = T + eps * pulp.lpSum(r)
+    if problem.vpp > 1:
+        U = pulp.LpVariable("U", lowBound=0)
+        M = [pulp.LpVariable(f"M{p}", lowBound=0) for p in range(problem.pp)]
+        objective += TIE_BREAK * (U + pulp.lpSum(M))
+        _tie_breaks(prob, problem, n, r, U, M)
+    prob += objective
     _placement(prob, problem, n, r)
     _rank_time(prob, problem, n, r, T)
     _rank_memory(prob, problem, n, r)
@@ -91,6 +102,25 @@ def _placement(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:
 
 def _ranks(p: StageProblem) -> list[list[int]]:
     return [[i for i in range(p.pp * p.vpp) if i % p.pp == rank] for rank in range(p.pp)]
+
+
+TIE_BREAK = 1e-4
+
+
+def _stage_time(p: StageProblem, n: list, r: list, i: int) -> pulp.LpAffineExpression:
+    """τ_i: virtual stage i's forward+backward(+recompute) time per micro-batch."""
+    last = p.pp * p.vpp - 1
+    return (n[i] * p.block_time_s + r[i] * p.recompute_time_s + (p.pre_time_s if i == 0 else 0.0)
+            + (p.post_time_s if i == last else 0.0))
+
+
+def _tie_breaks(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, U: pulp.LpVariable, M: list) -> None:
+    """U bounds every rank's time and M_p each chunk of rank p (interleaved only; they enter the objective
+    with weight δ, so they choose among the assignments that minimise T)."""
+    for rank, stages in enumerate(_ranks(p)):
+        prob += pulp.lpSum(_stage_time(p, n, r, i) for i in stages) <= U
+        for i in stages:
+            prob += _stage_time(p, n, r, i) <= M[rank]
 
 
 def _rank_time(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, T: pulp.LpVariable) -> None:

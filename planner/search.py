@@ -47,7 +47,7 @@ class PlanRequest:
     top_k: int = 5
     solver: str = "cbc"
     time_limit_s: float = 10.0
-    refine: int = 6  # candidates the stage MILP refines
+    refine: int = 6  # at most this many stage MILPs, taken in order of their lower bound
 
     @property
     def fully_pinned(self) -> bool:
@@ -111,15 +111,35 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     if not feasible:
         raise Infeasible(_no_fit_message(ir, request, gpu, cluster, misses))
     ranked = sorted(feasible.values(), key=lambda c: c.evaluation.step_time_s)
-    refined: list[Candidate] = []
-    for cand in ranked[: request.refine]:
-        better, tried = refine_stages(inputs, cand, gpu, cluster, request)
+    # Branch and bound over the MILP: refine only candidates whose bound can still beat the best so far.
+    best_s = ranked[0].evaluation.step_time_s
+    improved: dict[int, Candidate] = {}
+    order = sorted(range(len(ranked)), key=lambda i: stage_lower_bound(ranked[i]))
+    for i in order:
+        if solves >= request.refine or stage_lower_bound(ranked[i]) >= best_s:
+            break  # bounds are sorted: no later candidate can win either
+        better, tried = refine_stages(inputs, ranked[i], gpu, cluster, request)
         solves += tried
-        refined.append(better)
-    ranked = _distinct(sorted(refined + ranked[request.refine:], key=lambda c: c.evaluation.step_time_s))
+        improved[i] = better
+        best_s = min(best_s, better.evaluation.step_time_s)
+    refined = [improved.get(i, cand) for i, cand in enumerate(ranked)]
+    ranked = _distinct(sorted(refined, key=lambda c: c.evaluation.step_time_s))
     misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
     return SearchResult(best=ranked[0], ranked=ranked, infeasible=misses[:3], evaluated=evaluated,
                         seconds=time.perf_counter() - start, milp_solves=solves)
+
+
+def stage_lower_bound(cand: Candidate) -> float:
+    """A step time no assignment of this layout's blocks to stages can beat.
+
+    The cost model's pipeline part is m·t_max + (Σ_r t_r − t_max)/vpp (planner/schedule.py), increasing in t_max,
+    and t_max ≥ W/pp where W, the work of all stages per micro-batch without recompute, does not depend on where
+    the blocks go. Data-parallel and optimizer time are left out (≥ 0), so the bound is valid, if loose.
+    """
+    layout, ev = cand.layout, cand.evaluation
+    work = sum(st.time_s - st.recompute_s for st in ev.stages)
+    pp, m, vpp = layout.pp, layout.num_microbatches, layout.vpp
+    return m * work / pp + work * (1 - 1 / pp) / vpp
 
 
 def refine_stages(inputs: object, cand: Candidate, gpu: GPUProfile, cluster: ClusterProfile,

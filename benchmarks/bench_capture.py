@@ -9,8 +9,8 @@ import argparse
 import resource
 import time
 
-from mlm.planner.capture import capture
-from mlm.planner.loader import load_model_spec
+from mlm.planner.capture.trace import capture
+from mlm.planner.capture.loader import load_model_spec
 
 
 def main() -> None:

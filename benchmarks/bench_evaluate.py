@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from mlm.planner.capture import capture
-from mlm.planner.cost import evaluate, stage_coefficients, summarize
+from mlm.planner.capture.trace import capture
+from mlm.planner.cost.step_time import evaluate, stage_coefficients, summarize
 from mlm.planner.layout import Layout
-from mlm.planner.loader import load_model_spec
-from mlm.planner.profiles import resolve
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.cost.hardware import resolve
 
 LAYOUTS = (
     Layout(tp=8, pp=8, dp=16, micro_batch=1, num_microbatches=96, vpp=1, recompute="full"),

@@ -17,13 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-from mlm.planner.capture import capture
-from mlm.planner.explain import why_slower
-from mlm.planner.loader import load_model_spec
-from mlm.planner.profiles import resolve
-from mlm.planner.search import PlanRequest, search
+from mlm.planner.capture.trace import capture
+from mlm.planner.search.explain import why_slower
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.cost.calibration import table_path
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.search.layouts import PlanRequest, search
 
-TABLE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_2021_table1.csv"
+TABLE = table_path("megatron_2021_table1.csv")
 
 
 def timed_cli(args: list[str]) -> float:

@@ -1,4 +1,4 @@
-"""Print predicted vs published TFLOP/s per GPU for Narayanan et al. 2021 Table 1 (see mlm.planner.calibration).
+"""Print predicted vs published TFLOP/s per GPU for Narayanan et al. 2021 Table 1 (see mlm.planner.cost.calibration).
 
     python benchmarks/calibrate_megatron.py [--csv PATH] [--gpu a100-80gb] [--cluster dgx-a100]
 """
@@ -9,10 +9,10 @@ import statistics
 import time
 from pathlib import Path
 
-from mlm.planner.calibration import calibrate
-from mlm.planner.profiles import resolve
+from mlm.planner.cost.calibration import calibrate, table_path
+from mlm.planner.cost.hardware import resolve
 
-DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "megatron_2021_table1.csv"
+DEFAULT_CSV = table_path("megatron_2021_table1.csv")
 
 
 def main() -> None:

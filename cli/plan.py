@@ -11,11 +11,11 @@ from rich.table import Table
 
 from mlm.cli.common import run_command, stderr_console
 from mlm.cli.format import gib, si
-from mlm.planner.capture import capture
+from mlm.planner.capture.trace import capture
 from mlm.planner.errors import PlanError
-from mlm.planner.loader import load_model_spec, parse_model_args
-from mlm.planner.presets.registry import PRESETS
-from mlm.planner.report import inspect_summary
+from mlm.planner.capture.loader import load_model_spec, parse_model_args
+from mlm.planner.capture.presets.registry import PRESETS
+from mlm.planner.capture.inspect import inspect_summary
 
 EPILOG = """examples:
   mlm-plan gpt3-175b --gpus 1024                 choose the fastest layout on 1024 A100-80GB GPUs

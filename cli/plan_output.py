@@ -11,11 +11,11 @@ from rich.table import Table
 from mlm.cli.common import stderr_console
 from mlm.cli.format import gib, seconds, si
 from mlm.planner.errors import PlanError
-from mlm.planner.graph import ModelIR
-from mlm.planner.loader import ModelSpec
+from mlm.planner.capture.graph import ModelIR
+from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan, save_plan
-from mlm.planner.planning import make_plan
-from mlm.planner.search import PlanRequest
+from mlm.planner.search.make_plan import make_plan
+from mlm.planner.search.layouts import PlanRequest
 
 
 def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) -> PlanRequest:

@@ -13,7 +13,7 @@ from rich.table import Table
 from mlm.planner.errors import PlanError
 
 if TYPE_CHECKING:
-    from mlm.runtime.machine_profile import Measurement
+    from mlm.runtime.profiling.machine import Measurement
 
 _EPILOG = """\
 With --out FILE, two files are written: FILE (the GPU profile) and FILE's stem + ".cluster.toml" (the measured
@@ -61,8 +61,8 @@ def _summary(m: Measurement, console: Console) -> None:
 def _run(args: argparse.Namespace, console: Console) -> int:
     import torch
 
-    from mlm.planner.profiles import load_cluster, load_gpu
-    from mlm.runtime import machine_profile as mprof
+    from mlm.planner.cost.hardware import load_cluster, load_gpu
+    from mlm.runtime.profiling import machine as mprof
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     world = args.world_size if args.world_size is not None else mprof.default_world_size(device)

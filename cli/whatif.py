@@ -18,14 +18,14 @@ from mlm.cli.common import run_command, stderr_console
 from mlm.cli.format import gib, seconds, si
 from mlm.cli.plan import layout_arguments, model_arguments
 from mlm.planner.errors import PlanError
-from mlm.planner.graph import ModelIR
-from mlm.planner.loader import load_model_spec, parse_model_args
-from mlm.planner.search import PlanRequest
-from mlm.planner.whatif import parse_count, parse_sweep
-from mlm.planner.whatif_plan import (Point, capture_args, gpus_for_deadline, largest_model, sweep,
+from mlm.planner.capture.graph import ModelIR
+from mlm.planner.capture.loader import load_model_spec, parse_model_args
+from mlm.planner.search.layouts import PlanRequest
+from mlm.planner.whatif.arithmetic import parse_count, parse_sweep
+from mlm.planner.whatif.questions import (Point, capture_args, gpus_for_deadline, largest_model, sweep,
                                      time_to_train)
-from mlm.planner.whatif_report import ROW_FIELDS, assumptions, eq4_check, layout_dict, memory_rows, point_row
-from mlm.planner.whatif_scale import SCALE_CHOICES
+from mlm.planner.whatif.report import ROW_FIELDS, assumptions, eq4_check, layout_dict, memory_rows, point_row
+from mlm.planner.whatif.scale import SCALE_CHOICES
 
 DEFAULT_MAX_GPUS = 1 << 17
 
@@ -200,7 +200,7 @@ def _point_doc(point: Point, ir: ModelIR) -> dict[str, Any]:
 def _write_plan(args: argparse.Namespace, model_args: dict[str, Any], ir: ModelIR, request: PlanRequest,
                 path: str) -> None:
     from mlm.planner.plan import save_plan
-    from mlm.planner.planning import make_plan
+    from mlm.planner.search.make_plan import make_plan
 
     spec = load_model_spec(args.model, args.entry, model_args)
     save_plan(make_plan(spec, ir, request, args.gpu if args.gpu else None, args.cluster).plan, path)

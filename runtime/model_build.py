@@ -15,9 +15,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mlm.planner.errors import ModelLoadError, PlanFileError
-from mlm.planner.loader import ModelSpec, instantiate, load_model_spec
+from mlm.planner.capture.loader import ModelSpec, instantiate, load_model_spec
 from mlm.planner.plan import Plan
-from mlm.planner.training_step import TrainingModule, first_embedding_vocab
+from mlm.planner.capture.training_step import TrainingModule, first_embedding_vocab
 
 LOSS_LAYER = "loss"
 

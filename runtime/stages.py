@@ -29,7 +29,7 @@ from torch import nn
 
 from mlm.planner.errors import PlanFileError
 from mlm.planner.plan import Plan
-from mlm.planner.training_step import TrainingModule
+from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.model_build import LOSS_LAYER, LayerCall, TensorSpec, plan_layers
 
 

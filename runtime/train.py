@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlm.planner.errors import Infeasible, PlanFileError
-from mlm.planner.loader import ModelSpec
+from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.data import TokenSource

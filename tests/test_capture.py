@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import MODELS, megatron_rows
-from mlm.planner.capture import capture, find_block_group
-from mlm.planner.loader import instantiate, load_model_spec
-from mlm.planner.presets.registry import PRESETS
+from mlm.planner.capture.trace import capture, find_block_group
+from mlm.planner.capture.loader import instantiate, load_model_spec
+from mlm.planner.capture.presets.registry import PRESETS
 
 
 def exact_params(spec) -> int:

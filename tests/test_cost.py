@@ -1,4 +1,4 @@
-"""Unit tests of the cost model (planner/cost.py and its helpers): each checks a formula that could be wrong."""
+"""Unit tests of the cost model (planner/cost/step_time.py and its helpers): each checks a formula that could be wrong."""
 from __future__ import annotations
 
 import math
@@ -8,16 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from mlm.planner.capture import capture
-from mlm.planner.collectives import all_gather_s, all_reduce_s, group_link, p2p_link
-from mlm.planner.cost import (CostOptions, StageAssignment, balanced_blocks, evaluate, stage_coefficients,
+from mlm.planner.capture.trace import capture
+from mlm.planner.cost.collectives import all_gather_s, all_reduce_s, group_link, p2p_link
+from mlm.planner.cost.step_time import (CostOptions, StageAssignment, balanced_blocks, evaluate, stage_coefficients,
                               summarize)
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
-from mlm.planner.loader import load_model_spec
-from mlm.planner.memory import working_bytes
-from mlm.planner.profiles import resolve
-from mlm.planner.schedule import bubble_fraction, inflight, pipeline_time
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.cost.memory import working_bytes
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.cost.schedule import bubble_fraction, inflight, pipeline_time
 
 GIB = 2**30
 
@@ -77,7 +77,7 @@ def test_inflight_1f1b_and_interleaved():
 
 
 def test_balanced_blocks_matches_build_plan():
-    from mlm.planner.build_plan import balanced_blocks as plan_rule
+    from mlm.planner.search.plan_document import balanced_blocks as plan_rule
 
     for n, s in ((96, 8), (80, 12), (105, 35), (24, 5)):
         assert balanced_blocks(n, s) == plan_rule(n, s)
@@ -247,7 +247,7 @@ def test_stage_coefficients_reproduce_evaluate(gpt3, hw, kw):
 
 
 def test_cost_model_does_not_import_torch():
-    code = ("import sys, mlm.planner.cost, mlm.planner.memory, mlm.planner.schedule, mlm.planner.collectives; "
+    code = ("import sys, mlm.planner.cost.step_time, mlm.planner.cost.memory, mlm.planner.cost.schedule, mlm.planner.cost.collectives; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -5,10 +5,8 @@ import statistics
 
 import pytest
 
-from mlm.planner.calibration import calibrate, eq3_flops
-from mlm.planner.profiles import resolve
-
-from conftest import REFERENCE
+from mlm.planner.cost.calibration import calibrate, eq3_flops, table_path
+from mlm.planner.cost.hardware import resolve
 
 MEAN_TARGET = 0.05
 WORST_TARGET = 0.10
@@ -17,7 +15,7 @@ WORST_TARGET = 0.10
 @pytest.fixture(scope="module")
 def rows():
     gpu, cluster = resolve("a100-80gb", "dgx-a100")
-    return calibrate(REFERENCE / "megatron_2021_table1.csv", gpu, cluster)
+    return calibrate(table_path("megatron_2021_table1.csv"), gpu, cluster)
 
 
 def test_eq3():

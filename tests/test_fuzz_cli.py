@@ -219,7 +219,7 @@ PROFILE_FLAGS = {"--out": None, "--device": st.sampled_from(["cpu", "cuda", "npu
 def test_mlm_profile_random_flags(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                   data: st.DataObject) -> None:
     from mlm.cli.profile import main
-    from mlm.runtime import machine_profile
+    from mlm.runtime.profiling import machine as machine_profile
 
     def measured(*args: Any, **kwargs: Any) -> None:
         raise _Measured

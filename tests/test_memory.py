@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from mlm.planner.capture import capture
-from mlm.planner.cost import evaluate, summarize
+from mlm.planner.capture.trace import capture
+from mlm.planner.cost.step_time import evaluate, summarize
 from mlm.planner.layout import Layout
-from mlm.planner.loader import load_model_spec
-from mlm.planner.memory import activation_bytes, bytes_per_param, state_bytes
-from mlm.planner.profiles import resolve
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.cost.memory import activation_bytes, bytes_per_param, state_bytes
+from mlm.planner.cost.hardware import resolve
 
 S, H, A, T = 2048, 12288, 96, 8  # GPT-3 175B: sequence, hidden, heads; tensor-parallel size
 

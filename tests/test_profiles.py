@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlm.planner import profiles as P
+from mlm.planner.cost import hardware as P
 from mlm.planner.errors import PlanError
 
 GPUS = {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200"}
@@ -64,7 +64,7 @@ def test_datasheet_figures() -> None:
 
 
 def test_profiles_module_is_pure_and_holds_no_hardware_numbers() -> None:
-    code = "import sys, mlm.planner.profiles; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, mlm.planner.cost.hardware; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
     source = Path(P.__file__).read_text(encoding="utf-8")
     for figure in ("312", "989", "2039", "1555", "3350", "4800", "2250"):
@@ -241,7 +241,7 @@ def test_mlm_profile_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest
 
 
 def _fake_measurement(world: int):
-    from mlm.runtime.machine_profile import Collectives, Measurement
+    from mlm.runtime.profiling.machine import Collectives, Measurement
 
     coll = Collectives("gloo", world, 2.0, 1.5, 1.0, 120.0)
     return Measurement("cpu", "fake CPU", "float32", ((64, 0.01), (256, 0.05), (1024, 0.08)), 0.08, 0.08, 0.08,
@@ -249,7 +249,7 @@ def _fake_measurement(world: int):
 
 
 def test_build_profiles_from_a_measurement() -> None:
-    from mlm.runtime.machine_profile import build_profiles, render
+    from mlm.runtime.profiling.machine import build_profiles, render
 
     m = _fake_measurement(world=2)
     gpu, cluster = build_profiles(m, "fake", "fake.cluster.toml", "fake.toml")
@@ -264,7 +264,7 @@ def test_build_profiles_from_a_measurement() -> None:
 
 def test_mlm_profile_stdout(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from mlm.cli.profile import main
-    from mlm.runtime import machine_profile
+    from mlm.runtime.profiling import machine as machine_profile
 
     monkeypatch.setattr(machine_profile, "measure", lambda device, quick, world, log: _fake_measurement(world))
     assert main(["--device", "cpu", "--name", "fake"]) == 0
@@ -276,7 +276,7 @@ def test_mlm_profile_stdout(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
 
 def test_internal_error_is_exit_1(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from mlm.cli.profile import main
-    from mlm.runtime import machine_profile
+    from mlm.runtime.profiling import machine as machine_profile
 
     def boom(*args: object) -> None:
         raise ZeroDivisionError("bug")

@@ -18,12 +18,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mlm.planner.layout import Layout
-from mlm.planner.loader import file_sha256
+from mlm.planner.capture.loader import file_sha256
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Stage, Training
 
 REPO = Path(__file__).resolve().parent.parent
-GPT_FILE = REPO / "planner" / "presets" / "gpt.py"
-LLAMA_FILE = REPO / "planner" / "presets" / "llama.py"
+GPT_FILE = REPO / "planner" / "capture" / "presets" / "gpt.py"
+LLAMA_FILE = REPO / "planner" / "capture" / "presets" / "llama.py"
 HF_GPT2_FILE = Path(__file__).resolve().parent / "models" / "hf_gpt2.py"
 NANOGPT_FILE = Path(__file__).resolve().parent / "models" / "nanogpt_style.py"  # forward(idx, targets) -> loss
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from mlm.planner.loader import load_model_spec
-from mlm.planner.training_step import TrainingModule
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.train import RunOptions, full_parameters, train
 from test_runtime_harness import GPT_ARGS, GPT_FILE, make_plan, run_workers
 

@@ -8,7 +8,7 @@ import torch
 
 from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.layout import Layout
-from mlm.planner.training_step import TrainingModule
+from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.data_parallel import choose_data_parallel
 from mlm.runtime.model_build import build_model, load_checked_spec, record_layer_calls
 from mlm.runtime.optim import lr_factor

@@ -8,14 +8,14 @@ import pytest
 
 from conftest import megatron_rows
 from mlm.cli.plan import main
-from mlm.planner.capture import capture
+from mlm.planner.capture.trace import capture
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.loader import load_model_spec
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.plan import load_plan, plan_from_dict, save_plan
-from mlm.planner.planning import make_plan
-from mlm.planner.profiles import resolve
-from mlm.planner.search import PlanRequest, search
-from mlm.planner.stage_milp import StageProblem, solve_stages
+from mlm.planner.search.make_plan import make_plan
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.search.layouts import PlanRequest, search
+from mlm.planner.search.stage_milp import StageProblem, solve_stages
 
 A100 = resolve("a100-80gb", "dgx-a100")
 

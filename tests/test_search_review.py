@@ -9,16 +9,16 @@ from dataclasses import replace
 import pytest
 
 from mlm.cli.plan import main
-from mlm.planner.build_plan import stage_layers
-from mlm.planner.capture import capture
-from mlm.planner.cost import summarize
+from mlm.planner.search.plan_document import stage_layers
+from mlm.planner.capture.trace import capture
+from mlm.planner.cost.step_time import summarize
 from mlm.planner.errors import Infeasible
 from mlm.planner.layout import Layout
-from mlm.planner.loader import load_model_spec
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.plan import plan_from_dict
-from mlm.planner.planning import make_plan
-from mlm.planner.profiles import resolve
-from mlm.planner.search import PlanRequest, search
+from mlm.planner.search.make_plan import make_plan
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.search.layouts import PlanRequest, search
 
 A100_40 = resolve("a100-40gb", "dgx-a100")
 A100_80 = resolve("a100-80gb", "dgx-a100")
@@ -106,7 +106,7 @@ def test_interleaved_chunks_of_a_rank_are_balanced(capsys) -> None:
 def test_milp_solution_without_recompute_is_reported_as_none(gpt2) -> None:
     """Ample memory: the MILP recomputes no block of a "full" layout; the plan said recompute full with no
     recompute layers."""
-    from mlm.planner.search import _solve
+    from mlm.planner.search.layouts import _solve
 
     _, ir = gpt2
     layout = Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=8, recompute="full")

@@ -7,10 +7,10 @@ import pulp
 import pytest
 
 from conftest import MODELS
-from mlm.planner.capture import capture
+from mlm.planner.capture.trace import capture
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.loader import load_model_spec
-from mlm.planner.tp_sharding import TPCost, _classify_nodes, plan_tensor_parallel
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.search.tp_sharding import TPCost, _classify_nodes, plan_tensor_parallel
 
 TP_MODELS = str(MODELS / "tp_models.py")
 HF_MODELS = str(MODELS / "hf_models.py")

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlm.planner.errors import PlanError
-from mlm.planner.whatif import (eq4_seconds, parse_count, parse_sweep, required_tokens_per_s, resolve_price,
+from mlm.planner.whatif.arithmetic import (eq4_seconds, parse_count, parse_sweep, required_tokens_per_s, resolve_price,
                                 training_time)
-from mlm.planner.whatif_scale import FAMILIES, Base, find_family, knob_range, scaled_args
-from mlm.planner.whatif_search import largest_fitting, smallest_count_for_rate
+from mlm.planner.whatif.scale import FAMILIES, Base, find_family, knob_range, scaled_args
+from mlm.planner.whatif.integer_search import largest_fitting, smallest_count_for_rate
 
 DAY = 86400.0
 

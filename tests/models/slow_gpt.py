@@ -3,7 +3,7 @@ reliability tests can kill or signal a worker in the middle of a step. Same para
 import os
 import time
 
-from mlm.planner.presets.gpt import build_model as _build_gpt
+from mlm.planner.capture.presets.gpt import build_model as _build_gpt
 
 
 def _sleep(_module, _inputs):

@@ -15,18 +15,19 @@ preset's SDPA block instead would credit the paper with kernels it did not have.
 from __future__ import annotations
 
 import csv
+import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mlm.planner.cost import CostOptions, Evaluation, evaluate, summarize
-from mlm.planner.cost_inputs import ModelCostInputs
+from mlm.planner.cost.step_time import CostOptions, Evaluation, evaluate, summarize
+from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.layout import Layout
-from mlm.planner.presets.gpt import GPT, CausalSelfAttention, GPTConfig
-from mlm.planner.presets.registry import PRESETS
-from mlm.planner.profiles import ClusterProfile, GPUProfile
+from mlm.planner.capture.presets.gpt import GPT, CausalSelfAttention, GPTConfig
+from mlm.planner.capture.presets.registry import PRESETS
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 
 MICRO_BATCHES = (1, 2, 4, 8)
 SEQ_LEN = 2048
@@ -45,6 +46,11 @@ class CalibrationRow:
     def error(self) -> float:
         """Signed relative error of the prediction."""
         return self.predicted_tflops / self.published_tflops - 1.0
+
+
+def table_path(name: str) -> Path:
+    """A measurement table shipped in mlm.profiles (profiles/calibration/NAME), each file citing its source."""
+    return Path(str(importlib.resources.files("mlm.profiles").joinpath("calibration", name)))
 
 
 def read_table(path: Path) -> list[dict[str, str]]:
@@ -116,8 +122,8 @@ def build_megatron_2021(**kwargs: object) -> GPT:
 
 def capture_row(row: dict[str, str]) -> ModelCostInputs:
     """Summarised IR of a row's model, as Megatron-LM 2021 ran it."""
-    from mlm.planner.capture import capture
-    from mlm.planner.loader import load_model_spec
+    from mlm.planner.capture.trace import capture
+    from mlm.planner.capture.loader import load_model_spec
 
     spec = load_model_spec(__file__, entry="build_megatron_2021", args=PRESETS[preset_name(row)].args)
     return summarize(capture(spec))

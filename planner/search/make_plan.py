@@ -4,17 +4,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mlm.planner.build_plan import build_plan
-from mlm.planner.explain import alternatives, explain_dimensions
-from mlm.planner.graph import ModelIR
-from mlm.planner.loader import ModelSpec
+from mlm.planner.search.plan_document import build_plan
+from mlm.planner.search.explain import alternatives, explain_dimensions
+from mlm.planner.capture.graph import ModelIR
+from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan
-from mlm.planner.profiles import resolve
-from mlm.planner.cost import Evaluation, StageAssignment, evaluate, summarize
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, summarize
 from mlm.planner.layout import Layout
-from mlm.planner.profiles import ClusterProfile, GPUProfile
-from mlm.planner.search import Candidate, PlanRequest, SearchResult, evaluate_pinned, layout_problem, search
-from mlm.planner.tp_sharding import plan_tensor_parallel
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.search.layouts import Candidate, PlanRequest, SearchResult, evaluate_pinned, layout_problem, search
+from mlm.planner.search.tp_sharding import plan_tensor_parallel
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlm.planner.profiles import ClusterProfile
+from mlm.planner.cost.hardware import ClusterProfile
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlm.planner.graph import ModelIR
+from mlm.planner.capture.graph import ModelIR
 from mlm.planner.layout import Layout
-from mlm.planner.whatif import MODEL_FLOPS_PER_PARAM_TOKEN, eq4_seconds
-from mlm.planner.whatif_plan import Point
+from mlm.planner.whatif.arithmetic import MODEL_FLOPS_PER_PARAM_TOKEN, eq4_seconds
+from mlm.planner.whatif.questions import Point
 
 ROW_FIELDS = ("num_gpus", "gpu", "cluster", "global_batch", "layout", "layout_short", "step_time_s", "tokens_per_s",
               "model_tflops_per_gpu", "mfu", "peak_memory_gib", "days", "gpu_hours", "cost_usd", "error")

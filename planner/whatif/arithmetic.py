@@ -1,7 +1,7 @@
 """What-if arithmetic: time and cost to train on T tokens, Narayanan et al. 2021 Eq. 4, sweep parsing.
 
 Pure functions on numbers and frozen dataclasses; the searches that produce the numbers live in
-planner/whatif_plan.py, the integer searches (deadline, largest model) in planner/whatif_search.py.
+planner/whatif/questions.py, the integer searches (deadline, largest model) in planner/whatif/integer_search.py.
 
 Time to train: steps = ceil(T / tokens_per_step), time = steps · step_time (the steady-state step the cost model
 predicts: no restarts, evaluation, checkpoint stalls or data-loading stalls). GPU-hours = N · time / 3600;

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlm.planner.graph import ModelIR
+from mlm.planner.capture.graph import ModelIR
 
 
 def inspect_summary(ir: ModelIR) -> dict[str, Any]:

@@ -10,7 +10,7 @@ fit, no variant does; and for fixed other choices, more recompute only adds time
 that fits is the only one kept. A group whose probe overflows with balanced stages gets the stage MILP before it
 is discarded (uneven stages can move blocks off the embedding's / head's stage); there each (vpp, sp) is tried
 at its most memory-saving recompute level, the MILP choosing the per-stage recompute counts. The top candidates
-then get the stage MILP (planner/stage_milp.py): uneven blocks per stage and per-stage recompute counts,
+then get the stage MILP (planner/search/stage_milp.py): uneven blocks per stage and per-stage recompute counts,
 re-scored by the same cost model.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from mlm.planner.cost import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
+from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.graph import ModelIR
+from mlm.planner.capture.graph import ModelIR
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
-from mlm.planner.profiles import ClusterProfile, GPUProfile
-from mlm.planner.stage_milp import StageProblem, solve_stages
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.search.stage_milp import StageProblem, solve_stages
 
 VPP_CHOICES = (1, 2, 3, 4, 6, 8)
 MAX_MICRO_BATCH = 16
@@ -132,7 +132,7 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
 def stage_lower_bound(cand: Candidate) -> float:
     """A step time no assignment of this layout's blocks to stages can beat.
 
-    The cost model's pipeline part is m·t_max + (Σ_r t_r − t_max)/vpp (planner/schedule.py), increasing in t_max,
+    The cost model's pipeline part is m·t_max + (Σ_r t_r − t_max)/vpp (planner/cost/schedule.py), increasing in t_max,
     and t_max ≥ W/pp where W, the work of all stages per micro-batch without recompute, does not depend on where
     the blocks go. Data-parallel and optimizer time are left out (≥ 0), so the bound is valid, if loose.
     """

@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Preset:
-    file: str  # file name inside mlm/planner/presets
+    file: str  # file name inside mlm/planner/capture/presets
     args: dict[str, Any] = field(default_factory=dict)
     global_batch: int = 512  # the batch the source trained with, used when --global-batch is not given
     description: str = ""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlm.planner.cost_inputs import LayerCost
+from mlm.planner.cost.inputs import LayerCost
 
 PARAM_BYTES = 2.0  # bf16 weights
 GRAD_BYTES = 2.0  # bf16 gradients

@@ -1,12 +1,12 @@
 """Assemble plan.json's Plan from a search result (pure)."""
 from __future__ import annotations
 
-from mlm.planner.cost import Evaluation, StageAssignment
-from mlm.planner.graph import ModelIR
+from mlm.planner.cost.step_time import Evaluation, StageAssignment
+from mlm.planner.capture.graph import ModelIR
 from mlm.planner.layout import Layout
-from mlm.planner.loader import ModelSpec
+from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
-from mlm.planner.profiles import ClusterProfile, GPUProfile
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mlm.planner.errors import ModelLoadError
-from mlm.planner.presets.registry import PRESETS, Preset
+from mlm.planner.capture.presets.registry import PRESETS, Preset
 
 PRESET_PREFIX = "preset:"
 
@@ -80,7 +80,7 @@ def load_model_spec(model: str, entry: str | None = None, args: dict[str, Any] |
     name = model[len(PRESET_PREFIX):] if model.startswith(PRESET_PREFIX) else model
     if name in PRESETS and not Path(model).is_file():
         preset = PRESETS[name]
-        path = Path(str(importlib.resources.files("mlm.planner.presets").joinpath(preset.file)))
+        path = Path(str(importlib.resources.files("mlm.planner.capture.presets").joinpath(preset.file)))
         source = PRESET_PREFIX + name
         merged = {**preset.args, **(args or {})}
     else:

@@ -3,7 +3,7 @@
 `summarize(ir)` walks the IR (and each layer's op graph, when present) and returns a ModelCostInputs of floats:
 the repeated block collapsed to one LayerCost, the layers before the blocks (embedding…, first pipeline stage)
 merged into `pre` and those after (final norm, head, loss; last stage) into `post`. After this, `evaluate` in
-planner/cost.py is pure arithmetic. Nothing here imports torch.
+planner/cost/step_time.py is pure arithmetic. Nothing here imports torch.
 
 How a layer is split by tensor parallelism follows Megatron (Shoeybi et al. 2019): a linear reading the residual
 stream is column-parallel, one reading a sharded tensor is row-parallel; the embedding, the head and the loss are
@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from mlm.planner.errors import PlanError
-from mlm.planner.graph import LayerIR, ModelIR
+from mlm.planner.capture.graph import LayerIR, ModelIR
 
 Split = Literal["col", "row", "vocab", "replicate"]
 BF16_BYTES = 2

@@ -5,10 +5,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
-from mlm.planner.search import Candidate, SearchResult
+from mlm.planner.search.layouts import Candidate, SearchResult
 
 if TYPE_CHECKING:
-    from mlm.planner.cost import Evaluation
+    from mlm.planner.cost.step_time import Evaluation
 
 BREAKDOWN_LABELS = {
     "compute_s": "compute", "tp_comm_s": "tensor-parallel communication", "pp_comm_s": "pipeline send/recv",

@@ -1,4 +1,4 @@
-"""The what-if questions answered with the real search and cost model (planner/search.py, planner/cost.py).
+"""The what-if questions answered with the real search and cost model (planner/search/layouts.py, planner/cost/step_time.py).
 
 Each question returns a frozen answer dataclass; cli/whatif.py prints it. `on_step` callbacks let the CLI drive a
 progress bar without this module printing anything.
@@ -9,15 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlm.planner.capture import capture
+from mlm.planner.capture.trace import capture
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.graph import ModelIR
-from mlm.planner.loader import load_model_spec
-from mlm.planner.profiles import ClusterProfile, GPUProfile, resolve
-from mlm.planner.search import Candidate, PlanRequest, evaluate_pinned, search
-from mlm.planner.whatif import Price, SweepSpec, TrainingTime, required_tokens_per_s, resolve_price, training_time
-from mlm.planner.whatif_scale import Base, describe, find_family, knob_range, scaled_args
-from mlm.planner.whatif_search import DeadlineSearch, GrowthSearch, largest_fitting, smallest_count_for_rate
+from mlm.planner.capture.graph import ModelIR
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, resolve
+from mlm.planner.search.layouts import Candidate, PlanRequest, evaluate_pinned, search
+from mlm.planner.whatif.arithmetic import Price, SweepSpec, TrainingTime, required_tokens_per_s, resolve_price, training_time
+from mlm.planner.whatif.scale import Base, describe, find_family, knob_range, scaled_args
+from mlm.planner.whatif.integer_search import DeadlineSearch, GrowthSearch, largest_fitting, smallest_count_for_rate
 
 Step = Callable[[str], None]
 SCREEN_REFINE = 1  # stage MILPs per GPU count while the deadline search screens counts
@@ -97,7 +97,7 @@ def time_to_train(ir: ModelIR, request: PlanRequest, gpu_name: str | None, clust
 def gpus_for_deadline(ir: ModelIR, request: PlanRequest, gpu_name: str | None, cluster_name: str | None,
                       tokens: float, days: float, usd_per_gpu_hour: float | None, max_gpus: int,
                       scan_limit: int = 12, on_step: Step | None = None) -> DeadlineAnswer:
-    """The smallest whole-node GPU count whose best plan sees `tokens` within `days` (planner/whatif_search.py).
+    """The smallest whole-node GPU count whose best plan sees `tokens` within `days` (planner/whatif/integer_search.py).
 
     Counts are screened with a cheaper search (one stage MILP with a short time limit instead of several); the
     answer's plan is then searched in full, which can only be as fast or faster, so the answer is never late."""

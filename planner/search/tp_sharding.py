@@ -55,7 +55,7 @@ import networkx as nx
 import pulp
 
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.graph import LayerIR, ModelIR
+from mlm.planner.capture.graph import LayerIR, ModelIR
 
 Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence"]
 R, S, Q = "R", "S", "Q"

@@ -23,10 +23,10 @@ import torch.fx
 from torch import nn
 
 from mlm.planner.errors import ModelLoadError, TraceError
-from mlm.planner.graph import Activations, LayerIR, LinearOp, ModelIR
-from mlm.planner.loader import ModelSpec, instantiate
-from mlm.planner.ops import OpCost, classify, nbytes, op_name, val
-from mlm.planner.training_step import TrainingModule, default_batch, first_embedding_vocab
+from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
+from mlm.planner.capture.loader import ModelSpec, instantiate
+from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
+from mlm.planner.capture.training_step import TrainingModule, default_batch, first_embedding_vocab
 
 ROOT = "model"  # the user model's path inside TrainingModule
 LOSS_LAYER = "loss"

@@ -1,7 +1,7 @@
 """The cost model: step time and per-GPU memory of a layout, from summarised IR numbers and hardware profiles.
 
 Pure arithmetic on frozen dataclasses (no torch): `summarize(ir)` once per model, then `evaluate` per layout in
-well under a millisecond. Per micro-batch and per layer (planner/cost_inputs.py says how layers are split):
+well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py says how layers are split):
 
   GEMMs       2·m·k·n/tp FLOPs at gpu.gemm_efficiency((m·k·n/tp)^(1/3)), m = micro_batch·seq; backward = 2x
               forward (input and weight gradients have the same m·n·k, hence the same size and efficiency).
@@ -16,7 +16,7 @@ well under a millisecond. Per micro-batch and per layer (planner/cost_inputs.py 
               (score matmuls and softmax/dropout bytes; nothing when the fused kernel saves no scores).
   pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation,
               1/tp of it per rank plus an NVLink all-gather without SP (Narayanan et al. 2021, scatter/gather opt.).
-  bubble      planner/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
+  bubble      planner/cost/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
   dp comm     once per step: bf16 gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1)
               of the rank's local parameters; zero 3 all-gathers parameters in forward and backward and
               reduce-scatters gradients every micro-batch. Overlap assumption (CostOptions.dp_overlap, default 0 as
@@ -30,20 +30,20 @@ per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops
 part) + optimizer_s, exactly.
 
 Calibration: only the A100 GEMM efficiency curve (profiles/gpus/a100-*.toml) was fitted, one global factor on the
-prior, against Narayanan et al. 2021 Table 1 (planner/calibration.py, benchmarks/calibrate_megatron.py).
+prior, against Narayanan et al. 2021 Table 1 (planner/cost/calibration.py, benchmarks/calibrate_megatron.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mlm.planner.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
-from mlm.planner.cost_inputs import LayerCost, ModelCostInputs, summarize
+from mlm.planner.cost.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, summarize
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
-from mlm.planner.memory import (MemoryBreakdown, activation_bytes, local_params, state_bytes, working_bytes,
+from mlm.planner.cost.memory import (MemoryBreakdown, activation_bytes, local_params, state_bytes, working_bytes,
                                 zero3_buffer_bytes)
-from mlm.planner.profiles import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.schedule import inflight, pipeline_time
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
+from mlm.planner.cost.schedule import inflight, pipeline_time
 
 __all__ = ["CostOptions", "Evaluation", "StageAssignment", "StageCoefficients", "StageCost", "balanced_blocks",
            "evaluate", "stage_coefficients", "summarize"]

@@ -1,6 +1,6 @@
 """Measure this machine for mlm-profile: GEMM rate by size, memory bandwidth, attention, and collectives.
 
-The result becomes a GPUProfile and a ClusterProfile (mlm.planner.profiles) in exactly the presets' key set:
+The result becomes a GPUProfile and a ClusterProfile (mlm.planner.cost.hardware) in exactly the presets' key set:
 peak = the best measured rate, each curve = measured rate / peak. On CPU the "GPU" is one process of a gloo job:
 rates are fp32, memory is this machine's RAM divided among `world_size` ranks, links are loopback gloo.
 Collectives run in `world_size` local processes (fork + gloo on CPU, spawn + NCCL on CUDA) that are joined here.
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from mlm.planner.errors import PlanError
-from mlm.planner.profiles import AttentionCurve, ClusterProfile, GemmCurve, GPUProfile, to_toml
+from mlm.planner.cost.hardware import AttentionCurve, ClusterProfile, GemmCurve, GPUProfile, to_toml
 
 Log = Callable[[str], None]
 GIB = float(1 << 30)
@@ -419,7 +419,7 @@ def render(m: Measurement, gpu: GPUProfile, cluster: ClusterProfile) -> tuple[st
     cpu_note = ("\nOn CPU every *_tflops key holds the measured fp32 rate (the runtime computes in fp32 on CPU),"
                 f"\nand hbm_gib is this machine's RAM / {c.world_size} ranks." if m.device == "cpu" else "")
     gpu_header = (f"Measured by mlm-profile on {when}: {m.device_name} ({m.device}, GEMM curve in {m.dtype}).\n"
-                  "Strict key set of mlm/planner/profiles.py; peak = best measured rate, curves = rate / peak."
+                  "Strict key set of mlm/planner/cost/hardware.py; peak = best measured rate, curves = rate / peak."
                   + cpu_note)
     gpu_comments = {
         "bf16_tflops": f"best {m.dtype} GEMM rate measured (n = {max(m.matmul_tflops, key=lambda p: p[1])[0]})",

@@ -3,14 +3,15 @@
 Run: python benchmarks/bench_capture.py [--repeat 3]
 Prints instantiation-on-meta, graph capture and total seconds per model, and the process peak RSS.
 """
+
 from __future__ import annotations
 
 import argparse
 import resource
 import time
 
-from mlm.planner.capture.trace import capture
 from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.capture.trace import capture
 
 
 def main() -> None:
@@ -26,8 +27,10 @@ def main() -> None:
             t0 = time.perf_counter()
             ir = capture(load_model_spec(name))
             times.append(time.perf_counter() - t0)
-        print(f"{name:<16}{ir.num_params / 1e9:>11.1f}B{ir.num_layers:>8}{min(times):>9.2f}"
-              f"{sum(times) / len(times):>9.2f}  {ir.capture_method}")
+        print(
+            f"{name:<16}{ir.num_params / 1e9:>11.1f}B{ir.num_layers:>8}{min(times):>9.2f}"
+            f"{sum(times) / len(times):>9.2f}  {ir.capture_method}"
+        )
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

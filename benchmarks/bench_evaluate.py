@@ -1,22 +1,32 @@
 """Time one cost-model evaluation (target: under 1 ms per layout, so the search scores thousands per second).
 
-    python benchmarks/bench_evaluate.py [--model gpt3-175b] [--repeat 2000]
+python benchmarks/bench_evaluate.py [--model gpt3-175b] [--repeat 2000]
 """
+
 from __future__ import annotations
 
 import argparse
 import time
 
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
+from mlm.planner.cost.hardware import resolve
 from mlm.planner.cost.step_time import evaluate, stage_coefficients, summarize
 from mlm.planner.layout import Layout
-from mlm.planner.capture.loader import load_model_spec
-from mlm.planner.cost.hardware import resolve
 
 LAYOUTS = (
     Layout(tp=8, pp=8, dp=16, micro_batch=1, num_microbatches=96, vpp=1, recompute="full"),
-    Layout(tp=8, pp=16, dp=8, micro_batch=1, num_microbatches=192, vpp=3, sequence_parallel=True,
-           recompute="selective", zero=1),
+    Layout(
+        tp=8,
+        pp=16,
+        dp=8,
+        micro_batch=1,
+        num_microbatches=192,
+        vpp=3,
+        sequence_parallel=True,
+        recompute="selective",
+        zero=1,
+    ),
     Layout(tp=4, pp=32, dp=8, micro_batch=2, num_microbatches=96, vpp=3, recompute="none", zero=3),
 )
 
@@ -40,8 +50,10 @@ def main() -> None:
         for _ in range(args.repeat):
             stage_coefficients(inputs, layout, gpu, cluster)
         coef = (time.perf_counter() - start) / args.repeat
-        print(f"evaluate {layout.describe():<60} {1e6 * per:7.1f} µs/call  ({1 / per:,.0f}/s)   "
-              f"stage_coefficients {1e6 * coef:5.1f} µs")
+        print(
+            f"evaluate {layout.describe():<60} {1e6 * per:7.1f} µs/call  ({1 / per:,.0f}/s)   "
+            f"stage_coefficients {1e6 * coef:5.1f} µs"
+        )
 
 
 if __name__ == "__main__":

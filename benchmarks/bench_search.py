@@ -8,6 +8,7 @@ Run: python benchmarks/bench_search.py [--rows N]
    paper's (tp, pp) pinned with everything else searched, both under the same cost model. The free choice must be
    no slower; rows where it chose differently are listed with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,12 @@ import csv
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from mlm.planner.capture.trace import capture
-from mlm.planner.search.explain import why_slower
 from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.capture.trace import capture
 from mlm.planner.cost.calibration import table_path
 from mlm.planner.cost.hardware import resolve
+from mlm.planner.search.explain import why_slower
 from mlm.planner.search.layouts import PlanRequest, search
 
 TABLE = table_path("megatron_2021_table1.csv")
@@ -45,24 +45,33 @@ def main() -> None:
     if not args.skip_speed:
         for model, gpus, target in (("gpt3-175b", 1024, 5.0), ("megatron-1t", 3072, 10.0)):
             runs = [timed_cli([model, "--gpus", str(gpus)]) for _ in range(3)]
-            print(f"speed  mlm-plan {model} --gpus {gpus}: best {min(runs):.2f} s, mean {sum(runs) / 3:.2f} s "
-                  f"(target < {target:.0f} s)")
+            print(
+                f"speed  mlm-plan {model} --gpus {gpus}: best {min(runs):.2f} s, mean {sum(runs) / 3:.2f} s "
+                f"(target < {target:.0f} s)"
+            )
     gpu, cluster = resolve("a100-80gb", "dgx-a100")
     lines = [line for line in TABLE.read_text().splitlines() if not line.startswith("#")]
-    print(f"\n{'model':>8} {'gpus':>5} {'paper tp,pp':>11} {'pinned s':>9} {'free layout':<42}{'free s':>8}"
-          f" {'gain':>6}")
+    print(
+        f"\n{'model':>8} {'gpus':>5} {'paper tp,pp':>11} {'pinned s':>9} {'free layout':<42}{'free s':>8} {'gain':>6}"
+    )
     worse = 0
     for row in list(csv.DictReader(lines))[: args.rows]:
         ir = capture(load_model_spec(preset_name(row["params_b"])))
         base = PlanRequest(num_gpus=int(row["gpus"]), global_batch=int(row["global_batch"]))
-        pinned = search(ir, PlanRequest(num_gpus=base.num_gpus, global_batch=base.global_batch,
-                                        tp=int(row["tp"]), pp=int(row["pp"])), gpu, cluster).best
+        pinned = search(
+            ir,
+            PlanRequest(num_gpus=base.num_gpus, global_batch=base.global_batch, tp=int(row["tp"]), pp=int(row["pp"])),
+            gpu,
+            cluster,
+        ).best
         free = search(ir, base, gpu, cluster).best
         gain = pinned.evaluation.step_time_s / free.evaluation.step_time_s - 1
         worse += free.evaluation.step_time_s > pinned.evaluation.step_time_s * (1 + 1e-9)
-        print(f"{row['params_b']:>8} {row['gpus']:>5} {row['tp'] + ',' + row['pp']:>11} "
-              f"{pinned.evaluation.step_time_s:>9.2f} {free.layout.describe():<42}{free.evaluation.step_time_s:>8.2f}"
-              f" {100 * gain:>5.1f}%")
+        print(
+            f"{row['params_b']:>8} {row['gpus']:>5} {row['tp'] + ',' + row['pp']:>11} "
+            f"{pinned.evaluation.step_time_s:>9.2f} {free.layout.describe():<42}{free.evaluation.step_time_s:>8.2f}"
+            f" {100 * gain:>5.1f}%"
+        )
         if (free.layout.tp, free.layout.pp) != (int(row["tp"]), int(row["pp"])):
             print(f"{'':>9}differs from the paper's split; the paper's split is {why_slower(pinned, free)}")
     print(f"\nrows where the free search is slower than the paper's split: {worse}")

@@ -1,9 +1,10 @@
 """What every command shares: the error contract (exit 0 ok, 1 internal error, 2 bad input) and the consoles."""
+
 from __future__ import annotations
 
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -32,8 +33,10 @@ def run_command(body: Callable[[], int], debug: bool) -> int:
     except Exception as e:  # a bug in mlm: say so plainly
         if debug:
             traceback.print_exc()
-        console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the "
-                      "traceback)", soft_wrap=True)
+        console.print(
+            f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            soft_wrap=True,
+        )
         return 1
 
 

@@ -1,4 +1,5 @@
 """Human-readable numbers for terminal output."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """mlm-plan: capture a model and choose (or evaluate) its parallel layout; --inspect shows the captured layers."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,11 +12,11 @@ from rich.table import Table
 
 from mlm.cli.common import run_command, stderr_console
 from mlm.cli.format import gib, si
-from mlm.planner.capture.trace import capture
-from mlm.planner.errors import PlanError
+from mlm.planner.capture.inspect import inspect_summary
 from mlm.planner.capture.loader import load_model_spec, parse_model_args
 from mlm.planner.capture.presets.registry import PRESETS
-from mlm.planner.capture.inspect import inspect_summary
+from mlm.planner.capture.trace import capture
+from mlm.planner.errors import PlanError
 
 EPILOG = """examples:
   mlm-plan gpt3-175b --gpus 1024                 choose the fastest layout on 1024 A100-80GB GPUs
@@ -26,14 +27,24 @@ presets: """ + ", ".join(PRESETS)
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
     """MODEL and the flags that say how to build it (shared with mlm-whatif)."""
-    parser.add_argument("model", metavar="MODEL", help="a model.py file (build_model(**kwargs) -> nn.Module) or a "
-                        "preset name")
+    parser.add_argument(
+        "model", metavar="MODEL", help="a model.py file (build_model(**kwargs) -> nn.Module) or a preset name"
+    )
     parser.add_argument("--entry", help="name of the model factory in MODEL (default: build_model, or `model`)")
-    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="keyword argument for the factory; VALUE is a Python literal (repeatable)")
+    parser.add_argument(
+        "--model-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="keyword argument for the factory; VALUE is a Python literal (repeatable)",
+    )
     parser.add_argument("--seq-len", type=int, help="training sequence length (default: from the model config)")
-    parser.add_argument("--capture", choices=("auto", "export", "symbolic_trace"), default="auto",
-                        help="tracer: symbolic_trace fast path then torch.export (auto), or force one")
+    parser.add_argument(
+        "--capture",
+        choices=("auto", "export", "symbolic_trace"),
+        default="auto",
+        help="tracer: symbolic_trace fast path then torch.export (auto), or force one",
+    )
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
@@ -48,8 +59,12 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, help="pin the micro-batch size")
     parser.add_argument("--vpp", type=int, help="pin virtual pipeline stages per rank (1 = plain 1F1B)")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), help="pin activation recompute")
-    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
-                        help="pin sequence parallelism on or off")
+    parser.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pin sequence parallelism on or off",
+    )
     parser.add_argument("--zero", type=int, choices=(0, 1, 3), help="pin optimizer sharding (ZeRO stage)")
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP solver (default cbc)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per MILP, seconds")
@@ -57,10 +72,13 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mlm-plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="mlm-plan",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="Capture MODEL on the meta device (no weights), estimate compute, memory and communication on "
-                    "the target cluster, and choose tensor/pipeline/data parallel sizes, micro-batch, recompute, "
-                    "sequence parallelism and optimizer sharding. Prints the layout; --out writes plan.json.")
+        "the target cluster, and choose tensor/pipeline/data parallel sizes, micro-batch, recompute, "
+        "sequence parallelism and optimizer sharding. Prints the layout; --out writes plan.json.",
+    )
     model_arguments(parser)
     parser.add_argument("--gpus", type=int, help="number of GPUs to plan for")
     layout_arguments(parser)
@@ -99,8 +117,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def print_inspect(summary: dict[str, Any], name: str, console: Console) -> None:
     table = Table(title=f"{name}: captured layers (per sample of {summary['seq_len']} tokens)")
-    for col, justify in (("layer", "left"), ("kind", "left"), ("params", "right"), ("FLOPs/token", "right"),
-                         ("activations", "right")):
+    for col, justify in (
+        ("layer", "left"),
+        ("kind", "left"),
+        ("params", "right"),
+        ("FLOPs/token", "right"),
+        ("activations", "right"),
+    ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     rows = summary["layers"]
     shown = rows if len(rows) <= 12 else rows[:6] + [None] + rows[-5:]
@@ -108,17 +131,25 @@ def print_inspect(summary: dict[str, Any], name: str, console: Console) -> None:
         if row is None:
             table.add_row(f"… {len(rows) - 11} more identical rows …", "", "", "", "")
             continue
-        table.add_row(row["name"], row["kind"], si(row["params"]), si(row["flops_per_token"], "FLOP"),
-                      gib(row["activation_bytes_per_sample"]))
+        table.add_row(
+            row["name"],
+            row["kind"],
+            si(row["params"]),
+            si(row["flops_per_token"], "FLOP"),
+            gib(row["activation_bytes_per_sample"]),
+        )
     t = summary["totals"]
     table.add_section()
-    table.add_row("total", "", si(summary["num_params"]), si(t["flops_per_token"], "FLOP"),
-                  gib(t["activation_bytes_per_sample"]))
+    table.add_row(
+        "total", "", si(summary["num_params"]), si(t["flops_per_token"], "FLOP"), gib(t["activation_bytes_per_sample"])
+    )
     console.print(table)
-    console.print(f"parameters: {summary['num_params']:,} ({si(summary['num_params'])}); {summary['num_layers']} "
-                  f"blocks, hidden {summary['hidden_size']}, heads {summary['num_heads']}"
-                  f" (kv {summary['num_kv_heads']}), vocab {summary['vocab_size']}"
-                  f"{', tied embedding/head' if summary['tied_embeddings'] else ''}")
+    console.print(
+        f"parameters: {summary['num_params']:,} ({si(summary['num_params'])}); {summary['num_layers']} "
+        f"blocks, hidden {summary['hidden_size']}, heads {summary['num_heads']}"
+        f" (kv {summary['num_kv_heads']}), vocab {summary['vocab_size']}"
+        f"{', tied embedding/head' if summary['tied_embeddings'] else ''}"
+    )
     console.print(f"training FLOPs per token (6N-style, no recompute): {si(t['training_flops_per_token'], 'FLOP')}")
     console.print(f"captured with {summary['capture_method']} in {summary['capture_seconds']:.2f} s")
 

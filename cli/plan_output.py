@@ -1,4 +1,5 @@
 """The planning half of mlm-plan: run the search (or evaluate a pinned layout) and print or write the plan."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,20 +11,31 @@ from rich.table import Table
 
 from mlm.cli.common import stderr_console
 from mlm.cli.format import gib, seconds, si
-from mlm.planner.errors import PlanError
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.errors import PlanError
 from mlm.planner.plan import Plan, save_plan
-from mlm.planner.search.make_plan import make_plan
 from mlm.planner.search.layouts import PlanRequest
+from mlm.planner.search.make_plan import make_plan
 
 
 def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) -> PlanRequest:
     global_batch = args.global_batch or (spec.preset.global_batch if spec.preset else 512)
-    return PlanRequest(num_gpus=num_gpus, global_batch=global_batch, tp=args.tp, pp=args.pp, dp=args.dp,
-                       micro_batch=args.micro_batch, vpp=args.vpp, recompute=args.recompute,
-                       sequence_parallel=args.sequence_parallel, zero=args.zero, top_k=args.top,
-                       solver=args.solver, time_limit_s=args.time_limit)
+    return PlanRequest(
+        num_gpus=num_gpus,
+        global_batch=global_batch,
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        vpp=args.vpp,
+        recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
+        zero=args.zero,
+        top_k=args.top,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+    )
 
 
 def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
@@ -54,15 +66,22 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
     lay, pred = plan.layout, plan.predicted
     assert pred is not None
     sched = {"none": "no pipeline", "1f1b": "1F1B", "interleaved-1f1b": f"interleaved 1F1B (vpp {lay.vpp})"}
-    console.print(f"[bold]{summary['model']}[/] ({si(plan.model.num_params)} params) on {plan.cluster.num_gpus} × "
-                  f"{plan.cluster.gpu} ({summary['cluster']}), global batch {plan.training.global_batch} × "
-                  f"{plan.training.seq_len} tokens")
-    console.print(f"[bold green]layout[/]  mesh pp {lay.pp} × dp {lay.dp} × tp {lay.tp}"
-                  f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
-                  f"{lay.num_microbatches} · {sched[lay.schedule]} · recompute {lay.recompute} · zero {lay.zero}")
-    console.print(f"[bold green]predicted[/]  step {seconds(pred.step_time_s)} · {si(pred.tokens_per_s)} tokens/s · "
-                  f"{pred.model_tflops_per_gpu:.{0 if pred.model_tflops_per_gpu >= 10 else 3}f} TFLOP/s per GPU · MFU {100 * pred.mfu:.1f}% · peak memory "
-                  f"{gib(pred.peak_memory_bytes)} of {gib(summary['capacity_bytes'])}")
+    console.print(
+        f"[bold]{summary['model']}[/] ({si(plan.model.num_params)} params) on {plan.cluster.num_gpus} × "
+        f"{plan.cluster.gpu} ({summary['cluster']}), global batch {plan.training.global_batch} × "
+        f"{plan.training.seq_len} tokens"
+    )
+    console.print(
+        f"[bold green]layout[/]  mesh pp {lay.pp} × dp {lay.dp} × tp {lay.tp}"
+        f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
+        f"{lay.num_microbatches} · {sched[lay.schedule]} · recompute {lay.recompute} · zero {lay.zero}"
+    )
+    console.print(
+        f"[bold green]predicted[/]  step {seconds(pred.step_time_s)} · {si(pred.tokens_per_s)} tokens/s · "
+        f"{pred.model_tflops_per_gpu:.{0 if pred.model_tflops_per_gpu >= 10 else 3}f} TFLOP/s per GPU · "
+        f"MFU {100 * pred.mfu:.1f}% · peak memory "
+        f"{gib(pred.peak_memory_bytes)} of {gib(summary['capacity_bytes'])}"
+    )
     table = Table(title="pipeline stages", show_edge=False)
     for col in ("stage", "rank", "blocks", "recompute", "memory", "time/micro-batch"):
         table.add_column(col, justify="right" if col not in ("stage",) else "left")
@@ -73,18 +92,28 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
             continue
         blocks = sum(1 for name in st.layers if name in summary["block_names"])
         extra = [n for n in st.layers if n not in summary["block_names"]]
-        label = f"{st.index}" + (f" (+{', '.join(extra)})" if extra and len(extra) <= 3 else
-                                 f" (+{len(extra)} layers)" if extra else "")
-        table.add_row(label, str(st.index % lay.pp), str(blocks), str(len(st.recompute_layers)),
-                      f"{gib(st.memory_bytes)}", seconds(st.time_s))
+        label = f"{st.index}" + (
+            f" (+{', '.join(extra)})" if extra and len(extra) <= 3 else f" (+{len(extra)} layers)" if extra else ""
+        )
+        table.add_row(
+            label,
+            str(st.index % lay.pp),
+            str(blocks),
+            str(len(st.recompute_layers)),
+            f"{gib(st.memory_bytes)}",
+            seconds(st.time_s),
+        )
     console.print(table)
     bd = Table(title="step time breakdown", show_edge=False)
     bd.add_column("term")
     bd.add_column("time", justify="right")
     bd.add_column("share", justify="right")
     for key, value in pred.breakdown.items():
-        bd.add_row(key.removesuffix("_s").replace("_", " "), seconds(value),
-                   f"{100 * value / pred.step_time_s:.0f}%" if pred.step_time_s else "")
+        bd.add_row(
+            key.removesuffix("_s").replace("_", " "),
+            seconds(value),
+            f"{100 * value / pred.step_time_s:.0f}%" if pred.step_time_s else "",
+        )
     console.print(bd)
     if plan.alternatives:
         alt = Table(title="alternatives", show_edge=False)
@@ -93,8 +122,10 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
         alt.add_column("why it lost")
         for row in plan.alternatives:
             lo = row["layout"]
-            desc = (f"pp{lo['pp']} dp{lo['dp']} tp{lo['tp']}{' sp' if lo['sequence_parallel'] else ''} "
-                    f"mb{lo['micro_batch']} vpp{lo['vpp']} rc={lo['recompute']} z{lo['zero']}")
+            desc = (
+                f"pp{lo['pp']} dp{lo['dp']} tp{lo['tp']}{' sp' if lo['sequence_parallel'] else ''} "
+                f"mb{lo['micro_batch']} vpp{lo['vpp']} rc={lo['recompute']} z{lo['zero']}"
+            )
             alt.add_row(desc, seconds(row["step_time_s"]) if row["step_time_s"] else "—", str(row["why"]))
         console.print(alt)
     console.print(f"[dim]{summary['search']}[/]")

@@ -1,4 +1,5 @@
 """mlm-profile: measure this machine and write a GPU profile (and its cluster profile) for mlm-plan --gpu FILE."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,13 +27,22 @@ Exit codes: 0 ok, 1 internal error, 2 bad input or a failed measurement."""
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mlm-profile", description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="mlm-profile", description=__doc__, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", metavar="FILE", help="write the GPU profile here (and FILE.cluster.toml next to it)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="what to measure (default: cuda if available)")
-    p.add_argument("--quick", action="store_true", help="fewer, smaller sizes (seconds on a small CPU; the full run takes ~20 s there)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer, smaller sizes (seconds on a small CPU; the full run takes ~20 s there)",
+    )
     p.add_argument("--name", help="profile name (default: cpu-<hostname>, or the CUDA device name)")
-    p.add_argument("--world-size", type=int, metavar="N",
-                   help="processes for the collective test (default: 2 on CPU, every GPU up to 8 on CUDA)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="processes for the collective test (default: 2 on CPU, every GPU up to 8 on CUDA)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -82,8 +92,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     _summary(m, console)
     if out is None:
         sys.stdout.write(gpu_text)
-        console.print(f"[yellow]note[/]: only the GPU profile was printed; use --out FILE to also save "
-                      f"{cluster_file.name}, which its default_cluster names")
+        console.print(
+            f"[yellow]note[/]: only the GPU profile was printed; use --out FILE to also save "
+            f"{cluster_file.name}, which its default_cluster names"
+        )
         return 0
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,8 +105,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         raise PlanError(f"--out {out}: cannot write: {e.strerror or e}") from None
     load_gpu(str(out))  # what mlm-plan --gpu FILE will read
     load_cluster(str(cluster_file))
-    console.print(escape(f"wrote {out} and {cluster_file}; use: mlm-plan MODEL --gpu {out}"),
-                  highlight=False, soft_wrap=True)
+    console.print(
+        escape(f"wrote {out} and {cluster_file}; use: mlm-plan MODEL --gpu {out}"), highlight=False, soft_wrap=True
+    )
     return 0
 
 

@@ -3,6 +3,7 @@
 How runs end (runtime/faults.py has the mechanics): 0 done or preempted (SIGTERM / Ctrl-C: the step finishes and a
 checkpoint is saved), 2 bad input or a non-finite step, 1 a rank died or a bug; each with one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,11 +13,16 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 
 from mlm.planner.errors import PlanError
+
+if TYPE_CHECKING:  # the runtime (and torch) load only when a run starts
+    from mlm.runtime.faults import StopRequest
+    from mlm.runtime.train import RunOptions
 
 
 def _nonneg(text: str) -> int:
@@ -59,12 +65,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=_finite, default=1.0)
     p.add_argument("--seed", type=_nonneg, default=0)
     p.add_argument("--log", type=Path, default=None, help="append one JSON line per step")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="drop the update of a step with a NaN / infinite loss or gradient (and count it) instead of "
-                        "stopping with exit 2")
-    p.add_argument("--max-restarts", type=_nonneg, default=0,
-                   help="restart failed workers up to N times (torchrun's elastic agent); each restart continues "
-                        "from the latest checkpoint in --save")
+    p.add_argument(
+        "--skip-nonfinite",
+        action="store_true",
+        help="drop the update of a step with a NaN / infinite loss or gradient (and count it) instead of "
+        "stopping with exit 2",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=_nonneg,
+        default=0,
+        help="restart failed workers up to N times (torchrun's elastic agent); each restart continues "
+        "from the latest checkpoint in --save",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -90,18 +103,34 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug in mlm: one line (traceback with --debug)
         if args.debug:
             traceback.print_exc()
-        console.print(f"[bold red]mlm-run: internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with "
-                      "--debug for the traceback)", highlight=False, soft_wrap=True)
+        console.print(
+            f"[bold red]mlm-run: internal error:[/] {type(e).__name__}: {escape(str(e))} (rerun with "
+            "--debug for the traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
 
 
-def _options(args: argparse.Namespace, device: str, resume: Path | None):  # -> RunOptions
+def _options(args: argparse.Namespace, device: str, resume: Path | None) -> RunOptions:
     from mlm.runtime.train import RunOptions
 
-    return RunOptions(steps=args.steps, data=args.data, data_dtype=args.data_dtype, save=args.save,
-                      save_every=args.save_every, resume=resume, device=device, optimizer=args.optimizer,
-                      lr=args.lr, seed=args.seed, max_grad_norm=args.max_grad_norm, warmup_steps=args.warmup_steps,
-                      lr_decay_steps=args.lr_decay_steps, skip_nonfinite=args.skip_nonfinite)
+    return RunOptions(
+        steps=args.steps,
+        data=args.data,
+        data_dtype=args.data_dtype,
+        save=args.save,
+        save_every=args.save_every,
+        resume=resume,
+        device=device,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        seed=args.seed,
+        max_grad_norm=args.max_grad_norm,
+        warmup_steps=args.warmup_steps,
+        lr_decay_steps=args.lr_decay_steps,
+        skip_nonfinite=args.skip_nonfinite,
+    )
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -125,8 +154,9 @@ def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
     plan = load_plan(args.plan)
     check_plan_runnable(plan)
     load_checked_spec(plan)
-    TokenSource(plan.model.vocab_size, plan.training.seq_len, plan.training.global_batch, args.seed, args.data,
-                args.data_dtype).check()
+    TokenSource(
+        plan.model.vocab_size, plan.training.seq_len, plan.training.global_batch, args.seed, args.data, args.data_dtype
+    ).check()
     if args.resume is not None:
         from mlm.runtime.checkpoint import read_meta
 
@@ -135,9 +165,12 @@ def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
     world = plan.layout.world_size
     if device == "cuda" and torch.cuda.device_count() < world:
         torchrun, sbatch = cluster_commands(world, plan.cluster.gpus_per_node, raw)
-        console.print(f"mlm-run: the plan needs {world} GPUs; this machine has {torch.cuda.device_count()}. "
-                      f"Launch it on the cluster:\n  on every node: {torchrun}\n  with SLURM:    {sbatch}",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"mlm-run: the plan needs {world} GPUs; this machine has {torch.cuda.device_count()}. "
+            f"Launch it on the cluster:\n  on every node: {torchrun}\n  with SLURM:    {sbatch}",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 2
     if world == 1 and not args.max_restarts:
         from mlm.runtime.launch import init_single_process
@@ -168,8 +201,14 @@ def _launch(args: argparse.Namespace, world: int, worker_argv: list[str], consol
         note = notes.get(0, {})
         if note.get("kind") == "stopped":
             return 0  # rank 0 has said where it saved
-        console.print(escape(f"mlm-run: stopped by {result.signal} before the workers could finish their step"
-                             f"{_last_checkpoint(args)}"), highlight=False, soft_wrap=True)
+        console.print(
+            escape(
+                f"mlm-run: stopped by {result.signal} before the workers could finish their step"
+                f"{_last_checkpoint(args)}"
+            ),
+            highlight=False,
+            soft_wrap=True,
+        )
         return 1
     if result.code == 2 or any(n.get("kind") == "bad-input" for n in notes.values()):
         return 2  # rank 0 printed the one line
@@ -187,11 +226,17 @@ def _launch(args: argparse.Namespace, world: int, worker_argv: list[str], consol
             how = f"exited with code {code}" + (f" ({notes[rank]['message']})" if rank in notes else "")
         parts.append(f"rank {rank} (pid {pid}) {how}")
     others = sorted(set(result.failures) - set(culprits))
-    tail = (f"; {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} stopped after losing contact"
-            if others else "")
+    tail = (
+        f"; {'rank' if len(others) == 1 else 'ranks'} {', '.join(map(str, others))} stopped after losing contact"
+        if others
+        else ""
+    )
     restarts = f" after {args.max_restarts} restart(s)" if args.max_restarts else ""
-    console.print(f"[bold red]mlm-run: error:[/] {escape('; '.join(parts) + tail + restarts + _last_checkpoint(args))}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold red]mlm-run: error:[/] {escape('; '.join(parts) + tail + restarts + _last_checkpoint(args))}",
+        highlight=False,
+        soft_wrap=True,
+    )
     return 1
 
 
@@ -226,7 +271,7 @@ def _worker(args: argparse.Namespace, console: Console) -> int:
         stop.uninstall()
 
 
-def _run(args: argparse.Namespace, device: str, console: Console, stop=None) -> int:
+def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequest | None = None) -> int:
     import torch.distributed as dist
 
     from mlm.planner.plan import load_plan
@@ -239,7 +284,7 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop=None) -> 
     rank = dist.get_rank()
     rank0 = rank == 0
     own_stop = stop is None
-    stop = (StopRequest().install() if own_stop else stop)
+    stop = StopRequest().install() if own_stop else stop
     try:
         plan = load_plan(args.plan)
         resume = args.resume
@@ -250,24 +295,40 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop=None) -> 
         rt.stop = stop
         if rank0:
             again = f" (restart {restart}, from the checkpoint in {resume})" if restart and resume else ""
-            console.print(f"mlm-run: {plan.layout.describe()} on {dist.get_world_size()} process(es), {device}, "
-                          f"schedule {plan.layout.schedule}, from step {rt.start_step}{again}", highlight=False)
-        with StepReporter(args.steps, rt.start_step, args.log if rank0 else None, show=rank0,
-                          console=console) as report:
+            console.print(
+                f"mlm-run: {plan.layout.describe()} on {dist.get_world_size()} process(es), {device}, "
+                f"schedule {plan.layout.schedule}, from step {rt.start_step}{again}",
+                highlight=False,
+            )
+        with StepReporter(
+            args.steps, rt.start_step, args.log if rank0 else None, show=rank0, console=console
+        ) as report:
             run_steps(rt, report)
         last = rt.records[-1] if rt.records else None
         skipped = f", {len(rt.skipped)} non-finite step(s) skipped: {rt.skipped}" if rt.skipped else ""
         if rt.stopped_by is not None:
             step = last.step if last else rt.start_step
-            where = (f"checkpoint of step {rt.saved_step} saved in {args.save}; continue with --resume {args.save}"
-                     if rt.saved_step is not None else "nothing saved (no --save)")
+            where = (
+                f"checkpoint of step {rt.saved_step} saved in {args.save}; continue with --resume {args.save}"
+                if rt.saved_step is not None
+                else "nothing saved (no --save)"
+            )
             if rank0:
-                console.print(escape(f"mlm-run: stopped by {rt.stopped_by} after step {step}: {where}{skipped}"),
-                              highlight=False, soft_wrap=True)
+                console.print(
+                    escape(f"mlm-run: stopped by {rt.stopped_by} after step {step}: {where}{skipped}"),
+                    highlight=False,
+                    soft_wrap=True,
+                )
             write_note("stopped", where, step=step, saved=rt.saved_step)
         elif rank0 and last is not None:
-            console.print(escape(f"mlm-run: done, final loss {last.loss:.4f}"
-                                 + (f", checkpoint in {args.save}" if args.save else "") + skipped), highlight=False)
+            console.print(
+                escape(
+                    f"mlm-run: done, final loss {last.loss:.4f}"
+                    + (f", checkpoint in {args.save}" if args.save else "")
+                    + skipped
+                ),
+                highlight=False,
+            )
         return 0
     except PlanError as e:
         if args.debug:
@@ -284,12 +345,19 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop=None) -> 
             traceback.print_exc()
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if is_peer_loss(e):
-            console.print(f"mlm-run: rank {rank}: lost contact with another rank ({escape(first)}); stopping",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"mlm-run: rank {rank}: lost contact with another rank ({escape(first)}); stopping",
+                highlight=False,
+                soft_wrap=True,
+            )
             write_note("peer-lost", first)
         else:
-            console.print(f"[bold red]mlm-run: rank {rank}: internal error:[/] {type(e).__name__}: "
-                          f"{escape(first)} (rerun with --debug for the traceback)", highlight=False, soft_wrap=True)
+            console.print(
+                f"[bold red]mlm-run: rank {rank}: internal error:[/] {type(e).__name__}: "
+                f"{escape(first)} (rerun with --debug for the traceback)",
+                highlight=False,
+                soft_wrap=True,
+            )
             write_note("error", f"{type(e).__name__}: {first}")
         return 1
     finally:

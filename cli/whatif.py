@@ -1,4 +1,5 @@
 """mlm-whatif: capacity questions (time to train, GPUs for a deadline, what fits, sweeps)."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,13 +18,12 @@ from rich.table import Table
 from mlm.cli.common import run_command, stderr_console
 from mlm.cli.format import gib, seconds, si
 from mlm.cli.plan import layout_arguments, model_arguments
-from mlm.planner.errors import PlanError
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.loader import load_model_spec, parse_model_args
+from mlm.planner.errors import PlanError
 from mlm.planner.search.layouts import PlanRequest
 from mlm.planner.whatif.arithmetic import parse_count, parse_sweep
-from mlm.planner.whatif.questions import (Point, capture_args, gpus_for_deadline, largest_model, sweep,
-                                     time_to_train)
+from mlm.planner.whatif.questions import Point, capture_args, gpus_for_deadline, largest_model, sweep, time_to_train
 from mlm.planner.whatif.report import ROW_FIELDS, assumptions, eq4_check, layout_dict, memory_rows, point_row
 from mlm.planner.whatif.scale import SCALE_CHOICES
 
@@ -45,30 +45,41 @@ profile's usd_per_gpu_hour (a rough list price) unless --usd-per-gpu-hour is giv
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mlm-whatif", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        prog="mlm-whatif",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
         description="Answer capacity questions about training MODEL from its captured graph and mlm's cost "
-                    "model: how long T tokens take on N GPUs and what it costs, how many GPUs meet a deadline, "
-                    "the largest model of the family that fits, per-GPU memory, and sweeps over GPU count, GPU "
-                    "type or global batch.")
+        "model: how long T tokens take on N GPUs and what it costs, how many GPUs meet a deadline, "
+        "the largest model of the family that fits, per-GPU memory, and sweeps over GPU count, GPU "
+        "type or global batch.",
+    )
     model_arguments(parser)
     parser.add_argument("--gpus", type=int, help="number of GPUs (whole nodes beyond one node)")
     layout_arguments(parser)
     q = parser.add_argument_group("questions")
     q.add_argument("--tokens", help="training tokens, e.g. 300e9 or 15T: gives days, GPU-hours and cost")
     q.add_argument("--days", type=float, help="deadline in days: find the smallest GPU count (needs --tokens)")
-    q.add_argument("--max-gpus", type=int, default=DEFAULT_MAX_GPUS,
-                   help=f"largest GPU count the deadline search may try (default {DEFAULT_MAX_GPUS})")
-    q.add_argument("--max-params", action="store_true", help="find the largest model of MODEL's family that fits "
-                   "on --gpus")
-    q.add_argument("--scale", choices=SCALE_CHOICES, default="both",
-                   help="how --max-params grows the model: depth and width together (default), layers only, or "
-                        "hidden size only (heads of the base head dimension)")
+    q.add_argument(
+        "--max-gpus",
+        type=int,
+        default=DEFAULT_MAX_GPUS,
+        help=f"largest GPU count the deadline search may try (default {DEFAULT_MAX_GPUS})",
+    )
+    q.add_argument(
+        "--max-params", action="store_true", help="find the largest model of MODEL's family that fits on --gpus"
+    )
+    q.add_argument(
+        "--scale",
+        choices=SCALE_CHOICES,
+        default="both",
+        help="how --max-params grows the model: depth and width together (default), layers only, or "
+        "hidden size only (heads of the base head dimension)",
+    )
     q.add_argument("--memory", action="store_true", help="print the per-GPU memory breakdown of the best plan")
     q.add_argument("--sweep", metavar="KEY=V1,V2,...", help="gpus=..., gpu=NAME,... or global_batch=...")
     q.add_argument("--usd-per-gpu-hour", type=float, help="price per GPU-hour (default: the GPU profile's)")
     out = parser.add_argument_group("output")
-    out.add_argument("--plot", metavar="FILE.png", help="with --sweep: write a chart (throughput, MFU, cost vs "
-                     "time)")
+    out.add_argument("--plot", metavar="FILE.png", help="with --sweep: write a chart (throughput, MFU, cost vs time)")
     out.add_argument("--csv", metavar="FILE", help="with --sweep: write the table as CSV")
     out.add_argument("--json", action="store_true", help="print only a JSON document on stdout")
     out.add_argument("--out", metavar="plan.json", help="write the plan the answer assumed (not with --sweep)")
@@ -82,12 +93,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_flags(args: argparse.Namespace) -> str:
     """The question asked ('time', 'deadline', 'fit', 'sweep'); PlanError for conflicting or missing flags."""
+
     def conflict(a: str, b: str, why: str) -> PlanError:
         return PlanError(f"conflicting flags {a} and {b}: {why}")
 
     if args.days is not None:
-        for flag, on in (("--gpus", args.gpus is not None), ("--max-params", args.max_params),
-                         ("--sweep", args.sweep), ("--dp", args.dp is not None)):
+        for flag, on in (
+            ("--gpus", args.gpus is not None),
+            ("--max-params", args.max_params),
+            ("--sweep", args.sweep),
+            ("--dp", args.dp is not None),
+        ):
             if on:
                 raise conflict("--days", flag, "--days asks for the GPU count; drop one of them")
         if args.tokens is None:
@@ -108,12 +124,17 @@ def check_flags(args: argparse.Namespace) -> str:
     if question in ("time", "fit") and args.gpus is None:
         raise PlanError("--gpus N is required (or use --days D with --tokens T to find the GPU count)")
     if question == "time" and args.tokens is None and not args.memory:
-        raise PlanError("nothing asked: add --tokens T (time to train), --days D (GPUs for a deadline), "
-                        "--max-params, --memory or --sweep KEY=V1,V2 (see --help)")
+        raise PlanError(
+            "nothing asked: add --tokens T (time to train), --days D (GPUs for a deadline), "
+            "--max-params, --memory or --sweep KEY=V1,V2 (see --help)"
+        )
     if question == "sweep":
         key = parse_sweep(args.sweep).key
-        pinned = {"gpus": args.gpus is not None, "gpu": args.gpu is not None,
-                  "global_batch": args.global_batch is not None}
+        pinned = {
+            "gpus": args.gpus is not None,
+            "gpu": args.gpu is not None,
+            "global_batch": args.global_batch is not None,
+        }
         if pinned[key]:
             raise conflict(f"--sweep {key}=", f"--{key.replace('_', '-')}", "the sweep sets it")
         if key != "gpus" and args.gpus is None:
@@ -126,10 +147,20 @@ def check_flags(args: argparse.Namespace) -> str:
 
 
 def request_for(args: argparse.Namespace, global_batch: int, num_gpus: int) -> PlanRequest:
-    return PlanRequest(num_gpus=num_gpus, global_batch=global_batch, tp=args.tp, pp=args.pp, dp=args.dp,
-                       micro_batch=args.micro_batch, vpp=args.vpp, recompute=args.recompute,
-                       sequence_parallel=args.sequence_parallel, zero=args.zero, solver=args.solver,
-                       time_limit_s=args.time_limit)
+    return PlanRequest(
+        num_gpus=num_gpus,
+        global_batch=global_batch,
+        tp=args.tp,
+        pp=args.pp,
+        dp=args.dp,
+        micro_batch=args.micro_batch,
+        vpp=args.vpp,
+        recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel,
+        zero=args.zero,
+        solver=args.solver,
+        time_limit_s=args.time_limit,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -153,27 +184,60 @@ def _run(args: argparse.Namespace) -> int:
     elif question == "deadline":
         assert tokens is not None
         with _progress(None) as step:
-            answer = gpus_for_deadline(ir, request, args.gpu, args.cluster, tokens, args.days,
-                                       args.usd_per_gpu_hour, args.max_gpus, on_step=step)
+            answer = gpus_for_deadline(
+                ir,
+                request,
+                args.gpu,
+                args.cluster,
+                tokens,
+                args.days,
+                args.usd_per_gpu_hour,
+                args.max_gpus,
+                on_step=step,
+            )
         point = answer.point
         nodes = max(1, point.num_gpus // point.cluster.gpus_per_node)
-        headline = (f"[bold]{point.num_gpus} GPUs[/] ({nodes} node{'s' if nodes > 1 else ''}) is the "
-                    f"smallest whole-node count that trains {si(tokens)} tokens within {args.days:g} days: "
-                    + _time_headline(point))
-        doc["search"] = {"evaluated": {str(k): v for k, v in sorted(answer.search.evaluated.items())},
-                         "required_tokens_per_s": answer.search.required_tokens_per_s, "notes": answer.search.notes}
+        headline = (
+            f"[bold]{point.num_gpus} GPUs[/] ({nodes} node{'s' if nodes > 1 else ''}) is the "
+            f"smallest whole-node count that trains {si(tokens)} tokens within {args.days:g} days: "
+            + _time_headline(point)
+        )
+        doc["search"] = {
+            "evaluated": {str(k): v for k, v in sorted(answer.search.evaluated.items())},
+            "required_tokens_per_s": answer.search.required_tokens_per_s,
+            "notes": answer.search.notes,
+        }
     else:
         with _progress(None) as step:
-            fit = largest_model(args.model, args.entry, dict(spec.args), ir, args.scale, request, args.gpu,
-                                args.cluster, tokens, args.usd_per_gpu_hour, args.seq_len, args.capture,
-                                on_step=step)
+            fit = largest_model(
+                args.model,
+                args.entry,
+                dict(spec.args),
+                ir,
+                args.scale,
+                request,
+                args.gpu,
+                args.cluster,
+                tokens,
+                args.usd_per_gpu_hour,
+                args.seq_len,
+                args.capture,
+                on_step=step,
+            )
         point, ir, model_args = fit.point, fit.ir, fit.args
         capped = " (the largest size searched; it may grow further)" if fit.capped else ""
-        headline = (f"largest {args.scale}-scaled model that fits on {point.num_gpus} × {point.gpu.name}: "
-                    f"[bold]{si(ir.num_params)} params[/] ({fit.description}){capped}"
-                    + (f"; {_time_headline(point)}" if point.time else ""))
-        doc["fit"] = {"num_params": ir.num_params, "args": fit.args, "scale": fit.scale,
-                      "tried": {str(k): v for k, v in sorted(fit.growth.tried.items())}, "capped": fit.capped}
+        headline = (
+            f"largest {args.scale}-scaled model that fits on {point.num_gpus} × {point.gpu.name}: "
+            f"[bold]{si(ir.num_params)} params[/] ({fit.description}){capped}"
+            + (f"; {_time_headline(point)}" if point.time else "")
+        )
+        doc["fit"] = {
+            "num_params": ir.num_params,
+            "args": fit.args,
+            "scale": fit.scale,
+            "tried": {str(k): v for k, v in sorted(fit.growth.tried.items())},
+            "capped": fit.capped,
+        }
     doc.update(_point_doc(point, ir))
     if args.out:
         _write_plan(args, model_args, ir, replace(request, num_gpus=point.num_gpus), args.out)
@@ -188,17 +252,22 @@ def _run(args: argparse.Namespace) -> int:
 
 def _point_doc(point: Point, ir: ModelIR) -> dict[str, Any]:
     assert point.best is not None
-    doc: dict[str, Any] = {"num_params": ir.num_params, "answer": point_row(point),
-                           "layout": layout_dict(point.best.layout), "assumptions": assumptions(point, ir),
-                           "memory_per_gpu": memory_rows(point)}
+    doc: dict[str, Any] = {
+        "num_params": ir.num_params,
+        "answer": point_row(point),
+        "layout": layout_dict(point.best.layout),
+        "assumptions": assumptions(point, ir),
+        "memory_per_gpu": memory_rows(point),
+    }
     if point.time is not None:
         doc["training"] = point.time.to_dict()
         doc["eq4"] = eq4_check(point, ir)
     return doc
 
 
-def _write_plan(args: argparse.Namespace, model_args: dict[str, Any], ir: ModelIR, request: PlanRequest,
-                path: str) -> None:
+def _write_plan(
+    args: argparse.Namespace, model_args: dict[str, Any], ir: ModelIR, request: PlanRequest, path: str
+) -> None:
     from mlm.planner.plan import save_plan
     from mlm.planner.search.make_plan import make_plan
 
@@ -211,26 +280,33 @@ def _time_headline(point: Point) -> str:
     if t is None:
         return "pass --tokens T for the time to train"
     cost = f" · [bold]${si(t.cost_usd)}[/]" if t.cost_usd is not None else ""
-    return (f"[bold]{t.days:.1f} days[/] for {si(t.tokens)} tokens · {si(t.gpu_hours)} GPU-hours{cost}")
+    return f"[bold]{t.days:.1f} days[/] for {si(t.tokens)} tokens · {si(t.gpu_hours)} GPU-hours{cost}"
 
 
 def _print_point(console: Console, name: str, ir: ModelIR, point: Point, headline: str, memory: bool) -> None:
     assert point.best is not None
     lay, ev = point.best.layout, point.best.evaluation
-    console.print(f"[bold]{name}[/] ({si(ir.num_params)} params) on {point.num_gpus} × {point.gpu.name} "
-                  f"({point.cluster.name})")
+    console.print(
+        f"[bold]{name}[/] ({si(ir.num_params)} params) on {point.num_gpus} × {point.gpu.name} ({point.cluster.name})"
+    )
     console.print(headline)
-    console.print(f"[bold green]plan[/]  pp {lay.pp} × dp {lay.dp} × tp {lay.tp}"
-                  f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
-                  f"{lay.num_microbatches} · vpp {lay.vpp} · recompute {lay.recompute} · zero {lay.zero}")
-    console.print(f"[bold green]predicted[/]  step {seconds(ev.step_time_s)} · {si(ev.tokens_per_s)} tokens/s · "
-                  f"{ev.model_tflops_per_gpu:.0f} TFLOP/s per GPU · MFU {100 * ev.mfu:.1f}% · peak "
-                  f"{gib(ev.peak_memory_bytes)} of {gib(ev.capacity_bytes)}")
+    console.print(
+        f"[bold green]plan[/]  pp {lay.pp} × dp {lay.dp} × tp {lay.tp}"
+        f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
+        f"{lay.num_microbatches} · vpp {lay.vpp} · recompute {lay.recompute} · zero {lay.zero}"
+    )
+    console.print(
+        f"[bold green]predicted[/]  step {seconds(ev.step_time_s)} · {si(ev.tokens_per_s)} tokens/s · "
+        f"{ev.model_tflops_per_gpu:.0f} TFLOP/s per GPU · MFU {100 * ev.mfu:.1f}% · peak "
+        f"{gib(ev.peak_memory_bytes)} of {gib(ev.capacity_bytes)}"
+    )
     if point.time is not None:
         eq = eq4_check(point, ir)
-        console.print(f"[dim]cross-check: Narayanan et al. 2021 Eq. 4 in mlm's FLOP count, 6·T·P/(n·X) at mlm's "
-                      f"X = {eq['mlm_tflops_per_gpu']:.0f} TFLOP/s = {eq['eq4_days_at_mlm_rate']:.1f} days (the paper "
-                      f"writes 8·T·P/(n·X) with the recompute forward counted in X)[/]")
+        console.print(
+            f"[dim]cross-check: Narayanan et al. 2021 Eq. 4 in mlm's FLOP count, 6·T·P/(n·X) at mlm's "
+            f"X = {eq['mlm_tflops_per_gpu']:.0f} TFLOP/s = {eq['eq4_days_at_mlm_rate']:.1f} days (the paper "
+            f"writes 8·T·P/(n·X) with the recompute forward counted in X)[/]"
+        )
     if memory:
         _print_memory(console, point)
     console.print("[bold]assumptions[/]")
@@ -267,12 +343,27 @@ def _sweep(args: argparse.Namespace, ir: ModelIR, request: PlanRequest, tokens: 
     if args.plot:
         from mlm.cli.whatif_plot import plot_sweep
 
-        plot_sweep(rows, spec.key, f"{name} ({si(ir.num_params)} params)"
-                   + (f", {si(tokens)} tokens" if tokens else ""), args.plot)
+        plot_sweep(
+            rows,
+            spec.key,
+            f"{name} ({si(ir.num_params)} params)" + (f", {si(tokens)} tokens" if tokens else ""),
+            args.plot,
+        )
     first = next(p for p in points if p.best)
     if args.json:
-        print(json.dumps({"question": "sweep", "model": name, "num_params": ir.num_params, "sweep": spec.key,
-                          "rows": rows, "assumptions": assumptions(first, ir)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "question": "sweep",
+                    "model": name,
+                    "num_params": ir.num_params,
+                    "sweep": spec.key,
+                    "rows": rows,
+                    "assumptions": assumptions(first, ir),
+                },
+                indent=2,
+            )
+        )
         return 0
     console = _stdout()
     _print_sweep(console, name, ir, spec.key, rows)
@@ -303,14 +394,19 @@ def _print_sweep(console: Console, name: str, ir: ModelIR, key: str, rows: list[
         table.add_column(col, justify="left" if col in ("GPU", "layout") else "right")
     for r in rows:
         if r["error"]:
-            table.add_row(str(r["num_gpus"]), r["gpu"], str(r["global_batch"]), f"[red]{r['error']}[/]",
-                          *([""] * 5))
+            table.add_row(str(r["num_gpus"]), r["gpu"], str(r["global_batch"]), f"[red]{r['error']}[/]", *([""] * 5))
             continue
-        table.add_row(str(r["num_gpus"]), r["gpu"], str(r["global_batch"]), r["layout_short"],
-                      seconds(r["step_time_s"]),
-                      si(r["tokens_per_s"]), f"{100 * r['mfu']:.1f}%",
-                      f"{r['days']:.1f}" if r["days"] is not None else "—",
-                      f"${si(r['cost_usd'])}" if r["cost_usd"] is not None else "—")
+        table.add_row(
+            str(r["num_gpus"]),
+            r["gpu"],
+            str(r["global_batch"]),
+            r["layout_short"],
+            seconds(r["step_time_s"]),
+            si(r["tokens_per_s"]),
+            f"{100 * r['mfu']:.1f}%",
+            f"{r['days']:.1f}" if r["days"] is not None else "—",
+            f"${si(r['cost_usd'])}" if r["cost_usd"] is not None else "—",
+        )
     console.print(table)
 
 

@@ -1,4 +1,5 @@
 """The --plot chart of mlm-whatif --sweep: throughput, MFU and (with --tokens) cost against time to train."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -70,13 +71,21 @@ def plot_sweep(rows: list[dict[str, Any]], key: str, title: str, path: str) -> N
     if with_cost:
         ax = axes[2]
         costed = [r for r in ok if r["cost_usd"] is not None and r["days"] is not None]
-        ax.plot([r["days"] for r in costed], [r["cost_usd"] for r in costed], "o" if categorical else "o-",
-                color="tab:red")
+        ax.plot(
+            [r["days"] for r in costed], [r["cost_usd"] for r in costed], "o" if categorical else "o-", color="tab:red"
+        )
         for i, r in enumerate(costed):
-            label = r["gpu"] if key == "gpu" else f"{r['num_gpus']} GPUs" if key == "gpus" else \
-                f"batch {r['global_batch']}"
-            ax.annotate(label, (r["days"], r["cost_usd"]), textcoords="offset points", xytext=(0, 8 if i % 2 == 0 else -15), ha="center",
-                        fontsize=8)
+            label = (
+                r["gpu"] if key == "gpu" else f"{r['num_gpus']} GPUs" if key == "gpus" else f"batch {r['global_batch']}"
+            )
+            ax.annotate(
+                label,
+                (r["days"], r["cost_usd"]),
+                textcoords="offset points",
+                xytext=(0, 8 if i % 2 == 0 else -15),
+                ha="center",
+                fontsize=8,
+            )
         ax.margins(x=0.18, y=0.12)
         ax.set_xlabel("time to train (days)")
         ax.set_ylabel("cost (USD)")

@@ -1,4 +1,5 @@
 """Typed errors for the user: the CLI turns each into one line and exit code 2."""
+
 from __future__ import annotations
 
 

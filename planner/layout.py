@@ -1,4 +1,5 @@
 """A parallel layout: how one training step is split over the GPUs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,5 +46,7 @@ class Layout:
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
-        return (f"pp{self.pp}·dp{self.dp}·tp{self.tp}{sp} mb{self.micro_batch}×{self.num_microbatches}"
-                f" vpp{self.vpp} recompute={self.recompute} zero{self.zero}")
+        return (
+            f"pp{self.pp}·dp{self.dp}·tp{self.tp}{sp} mb{self.micro_batch}×{self.num_microbatches}"
+            f" vpp{self.vpp} recompute={self.recompute} zero{self.zero}"
+        )

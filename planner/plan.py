@@ -4,6 +4,7 @@ Plain JSON, validated field by field on load; nothing in it is ever executed. St
 with vpp > 1 there are pp*vpp stages (virtual stages) and stage i runs on pipeline rank i % pp, the placement of
 torch.distributed.pipelining's interleaved schedules.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -108,8 +109,9 @@ def plan_from_dict(data: Any) -> Plan:
     """Validate a decoded plan.json document and build the Plan."""
     _expect(isinstance(data, dict), "plan", "must be a JSON object")
     version = _get(data, "schema_version", int, "plan")
-    _expect(version == SCHEMA_VERSION, "schema_version",
-            f"is {version}; this mlm reads schema_version {SCHEMA_VERSION}")
+    _expect(
+        version == SCHEMA_VERSION, "schema_version", f"is {version}; this mlm reads schema_version {SCHEMA_VERSION}"
+    )
     model = _build(ModelRef, _get(data, "model", dict, "plan"), "model")
     cluster = _build(ClusterRef, _get(data, "cluster", dict, "plan"), "cluster")
     training = _build(Training, _get(data, "training", dict, "plan"), "training")
@@ -117,13 +119,19 @@ def plan_from_dict(data: Any) -> Plan:
     _check_layout(layout)
     stages_raw = _get(data, "stages", list, "plan")
     stages = [_build(Stage, s, f"stages[{i}]") for i, s in enumerate(stages_raw)]
-    _expect(len(stages) == layout.pp * layout.vpp, "stages",
-            f"has {len(stages)} entries; layout pp*vpp = {layout.pp * layout.vpp}")
+    _expect(
+        len(stages) == layout.pp * layout.vpp,
+        "stages",
+        f"has {len(stages)} entries; layout pp*vpp = {layout.pp * layout.vpp}",
+    )
     for i, s in enumerate(stages):
         _expect(s.index == i, f"stages[{i}].index", f"is {s.index}, expected {i}")
         _expect(all(isinstance(x, str) for x in s.layers), f"stages[{i}].layers", "must be a list of strings")
-        _expect(set(s.recompute_layers) <= set(s.layers), f"stages[{i}].recompute_layers",
-                "names layers the stage does not hold")
+        _expect(
+            set(s.recompute_layers) <= set(s.layers),
+            f"stages[{i}].recompute_layers",
+            "names layers the stage does not hold",
+        )
     tp = _get(data, "tensor_parallel", dict, "plan")
     for k, v in tp.items():
         _expect(v in TP_STYLES, f"tensor_parallel[{k!r}]", f"is {v!r}; expected one of {', '.join(TP_STYLES)}")
@@ -131,25 +139,51 @@ def plan_from_dict(data: Any) -> Plan:
     predicted = None if pred_raw is None else _build(Predicted, pred_raw, "predicted")
     alternatives = data.get("alternatives", [])
     _expect(isinstance(alternatives, list), "alternatives", "must be a list")
-    _expect(training.global_batch == layout.global_batch, "training.global_batch",
-            f"is {training.global_batch} but micro_batch*num_microbatches*dp = {layout.global_batch}")
-    _expect(cluster.num_gpus == layout.world_size, "cluster.num_gpus",
-            f"is {cluster.num_gpus} but the layout uses {layout.world_size}")
-    return Plan(model=model, cluster=cluster, training=training, layout=layout, stages=stages,
-                tensor_parallel=dict(tp), predicted=predicted, alternatives=alternatives, schema_version=version)
+    _expect(
+        training.global_batch == layout.global_batch,
+        "training.global_batch",
+        f"is {training.global_batch} but micro_batch*num_microbatches*dp = {layout.global_batch}",
+    )
+    _expect(
+        cluster.num_gpus == layout.world_size,
+        "cluster.num_gpus",
+        f"is {cluster.num_gpus} but the layout uses {layout.world_size}",
+    )
+    return Plan(
+        model=model,
+        cluster=cluster,
+        training=training,
+        layout=layout,
+        stages=stages,
+        tensor_parallel=dict(tp),
+        predicted=predicted,
+        alternatives=alternatives,
+        schema_version=version,
+    )
 
 
 def _check_layout(layout: Layout) -> None:
     for name in ("tp", "pp", "dp", "cp", "micro_batch", "num_microbatches", "vpp"):
         _expect(getattr(layout, name) >= 1, f"layout.{name}", "must be >= 1")
-    _expect(layout.recompute in RECOMPUTE_CHOICES, "layout.recompute",
-            f"is {layout.recompute!r}; expected one of {', '.join(RECOMPUTE_CHOICES)}")
+    _expect(
+        layout.recompute in RECOMPUTE_CHOICES,
+        "layout.recompute",
+        f"is {layout.recompute!r}; expected one of {', '.join(RECOMPUTE_CHOICES)}",
+    )
     _expect(layout.zero in ZERO_CHOICES, "layout.zero", f"is {layout.zero}; expected one of {ZERO_CHOICES}")
 
 
-_TYPES: dict[str, Any] = {"int": int, "float": (int, float), "str": str, "bool": bool,
-                          "dict[str, Any]": dict, "dict[str, float]": dict, "dict[str, str]": dict,
-                          "list[str]": list, "Recompute": str}
+_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": (int, float),
+    "str": str,
+    "bool": bool,
+    "dict[str, Any]": dict,
+    "dict[str, float]": dict,
+    "dict[str, str]": dict,
+    "list[str]": list,
+    "Recompute": str,
+}
 
 
 def _build(cls: type, raw: Any, where: str) -> Any:
@@ -174,8 +208,11 @@ def _build(cls: type, raw: Any, where: str) -> Any:
 def _get(data: dict, key: str, typ: type, where: str) -> Any:
     _expect(key in data, f"{key}" if where == "plan" else f"{where}.{key}", "is missing")
     value = data[key]
-    _expect(isinstance(value, typ) and not (typ is int and isinstance(value, bool)), key,
-            f"has type {type(value).__name__}, expected {typ.__name__}")
+    _expect(
+        isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
+        key,
+        f"has type {type(value).__name__}, expected {typ.__name__}",
+    )
     return value
 
 

@@ -13,6 +13,7 @@ Loading never runs code from the checkpoint: tensors are read by DCP with torch.
 pickled .metadata is read by an unpickler that admits only DCP's own metadata classes, torch dtypes / sizes and
 paths, and non-tensor ("bytes") entries, which DCP would unpickle freely, are refused.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from mlm.planner.errors import PlanError
 from mlm.runtime.stages import original_fqn
@@ -42,8 +43,9 @@ class CheckpointWriteError(CheckpointError, OSError):
     """A save could not be written (full disk, permissions); the previous checkpoint is kept."""
 
 
-def training_state(stages: list[nn.Module], optimizer: torch.optim.Optimizer,
-                   canonical: dict[str, str]) -> dict[str, Any]:
+def training_state(
+    stages: list[nn.Module], optimizer: torch.optim.Optimizer, canonical: dict[str, str]
+) -> dict[str, Any]:
     """The flat DCP state of this rank: its stages' parameters and buffers, and their optimizer state."""
     state: dict[str, Any] = {}
     names: dict[int, str] = {}
@@ -89,7 +91,7 @@ def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any]
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # DCP gathers every rank's write errors and raises on all ranks a
-        error = e               # CheckpointException, which derives from BaseException
+        error = e  # CheckpointException, which derives from BaseException
     if error is not None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs
@@ -113,10 +115,15 @@ def _save_failure(directory: Path, tmp: Path, step: int, error: BaseException) -
         previous = latest_step(directory)
     except CheckpointError:
         previous = None
-    kept = (f"the previous checkpoint (step {previous}) in {directory} is kept" if previous is not None
-            else "no earlier checkpoint exists")
-    return (f"cannot write the checkpoint of step {step} to {tmp}: {reason}; {kept}. Free space or choose "
-            f"another --save directory")
+    kept = (
+        f"the previous checkpoint (step {previous}) in {directory} is kept"
+        if previous is not None
+        else "no earlier checkpoint exists"
+    )
+    return (
+        f"cannot write the checkpoint of step {step} to {tmp}: {reason}; {kept}. Free space or choose "
+        f"another --save directory"
+    )
 
 
 def _first_line(error: BaseException) -> str:
@@ -216,11 +223,21 @@ def load(directory: Path, state: dict[str, Any]) -> None:
 # ---- loading without running code from the checkpoint ----
 
 _SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
-_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                 ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-                 ("pathlib", "PureWindowsPath"), ("pathlib._local", "PosixPath"),
-                 ("pathlib._local", "WindowsPath"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("builtins", "object"), ("copyreg", "_reconstructor")}
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("pathlib._local", "PosixPath"),
+    ("pathlib._local", "WindowsPath"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "object"),
+    ("copyreg", "_reconstructor"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -256,5 +273,6 @@ class _TensorsOnlyPlanner(DefaultLoadPlanner):
     """DCP unpickles non-tensor entries with torch.load(weights_only=False); mlm checkpoints hold none."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn!r} is a pickled object, not a tensor; "
-                                     "mlm loads tensors only")
+        raise pickle.UnpicklingError(
+            f"entry {read_item.dest_index.fqn!r} is a pickled object, not a tensor; mlm loads tensors only"
+        )

@@ -5,6 +5,7 @@ dp = 2 sees exactly the rows that dp = 1 sees, split in two. Sources: synthetic 
 file of token ids (uint16 or uint32, as nanoGPT's prepare.py and Megatron's preprocessors write), sampled at
 random offsets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ class TokenSource:
             raise DataError(f"data file {self.path} does not exist")
         n = self._tokens().shape[0]
         if n < self.seq_len + 1:
-            raise DataError(f"data file {self.path} holds {n} tokens of {self.dtype}; one sample needs "
-                            f"seq_len + 1 = {self.seq_len + 1}")
+            raise DataError(
+                f"data file {self.path} holds {n} tokens of {self.dtype}; one sample needs "
+                f"seq_len + 1 = {self.seq_len + 1}"
+            )
 
     def _tokens(self) -> np.ndarray:
         assert self.path is not None
@@ -59,17 +62,19 @@ class TokenSource:
             return torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=gen)
         data = self._tokens()
         starts = torch.randint(0, data.shape[0] - self.seq_len, (self.global_batch,), generator=gen).tolist()
-        rows = np.stack([np.asarray(data[s:s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        rows = np.stack([np.asarray(data[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
         tokens = torch.from_numpy(rows)
         top = int(tokens.max())
         if top >= self.vocab:
-            raise DataError(f"data file {self.path} holds token id {top}, outside the model's vocabulary of "
-                            f"{self.vocab} (wrong --data-dtype?)")
+            raise DataError(
+                f"data file {self.path} holds token id {top}, outside the model's vocabulary of "
+                f"{self.vocab} (wrong --data-dtype?)"
+            )
         return tokens
 
     def batch(self, step: int, dp_rank: int, dp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel rank's (inputs, targets), each (global_batch / dp, seq_len)."""
         tokens = self.global_batch_at(step)
         rows = self.global_batch // dp
-        mine = tokens[dp_rank * rows:(dp_rank + 1) * rows].to(device)
+        mine = tokens[dp_rank * rows : (dp_rank + 1) * rows].to(device)
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()  # user code may .view() them (nanoGPT)

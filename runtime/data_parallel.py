@@ -11,6 +11,7 @@ Which wrapper (each rule is a trap seen with torch 2.13, see issue 6):
 - Under pp > 1, reshard_after_forward=False always: with a zero-bubble schedule the default True gives silently
   wrong gradients, and with 1F1B it would re-gather parameters for every micro-batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mlm.planner.layout import Layout
 
@@ -42,8 +43,9 @@ def choose_data_parallel(layout: Layout, schedule: str) -> DataParallelChoice:
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 
 
-def apply_data_parallel(stage: nn.Module, layer_modules: list[nn.Module], choice: DataParallelChoice,
-                        dp_mesh: DeviceMesh) -> nn.Module:
+def apply_data_parallel(
+    stage: nn.Module, layer_modules: list[nn.Module], choice: DataParallelChoice, dp_mesh: DeviceMesh
+) -> nn.Module:
     """Wrap one stage; returns the module to run (the DDP wrapper, or the stage itself made an FSDPModule)."""
     if choice.wrapper == "none":
         return stage
@@ -75,9 +77,16 @@ def _params_shared_between(modules: list[nn.Module]) -> set[int]:
 
 # ---- activation recompute ----
 
-_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_cudnn_attention")
+_SAVE_OPS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_cudnn_attention",
+)
 
 
 def _selective_policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -94,8 +103,12 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
         return
     inner = module.forward
     if mode == "selective":
-        fn = partial(checkpoint, inner, use_reentrant=False,
-                     context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+        fn = partial(
+            checkpoint,
+            inner,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, _selective_policy),
+        )
     else:
         fn = partial(checkpoint, inner, use_reentrant=False)
     module.forward = fn  # type: ignore[method-assign]

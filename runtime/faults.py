@@ -14,6 +14,7 @@
 Test hook: MLM_INJECT_NONFINITE="STEP[:loss|grad][:RANK]" makes step STEP (1-based) produce a NaN loss or a NaN
 gradient on RANK (default 0), so tests can exercise the non-finite path with a real model.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,7 +52,7 @@ class StopRequest:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         """Catch SIGTERM and SIGINT (main thread only; elsewhere, e.g. in a test thread, do nothing)."""
         for sig in STOP_SIGNALS:
             try:
@@ -94,7 +95,19 @@ def is_peer_loss(error: BaseException) -> bool:
     import torch.distributed as dist
 
     text = str(error)
-    needles = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
-               "Timed out waiting", "timed out", "NCCL communicator was aborted", "ProcessGroupNCCL",
-               "Connection refused", "recvBytes", "sendBytes", "Read error", "Write error")
+    needles = (
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+        "Socket Timeout",
+        "Timed out waiting",
+        "timed out",
+        "NCCL communicator was aborted",
+        "ProcessGroupNCCL",
+        "Connection refused",
+        "recvBytes",
+        "sendBytes",
+        "Read error",
+        "Write error",
+    )
     return isinstance(error, dist.DistError) or any(n in text for n in needles)

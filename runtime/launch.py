@@ -1,5 +1,6 @@
 """Process launch: under torchrun / SLURM use their environment; otherwise start the plan's processes locally
 with torch's own launcher (torch.distributed.run, i.e. torchrun), or say how to launch on a cluster."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,9 @@ def init_distributed(device: str) -> None:
         # a restarted group could read the dead group's addresses (gloo: "connectFullMesh failed ... Connection
         # refused"). A prefix per restart keeps attempts apart.
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=timeout)
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
         prefixed = dist.PrefixStore(f"mlm/attempt_{restart_count()}", store)
         dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
         return
@@ -68,8 +70,13 @@ def init_single_process(device: str) -> None:
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
     if device == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if device == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timeout,
+    )
 
 
 STATE_ENV = "MLM_RUN_STATE"  # a directory where workers leave one JSON note each on how they ended
@@ -95,8 +102,9 @@ def launch_local(nproc: int, worker_argv: list[str], max_restarts: int = 0) -> L
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={nproc}",
-                                         f"--max-restarts={max_restarts}", "-m", "mlm.cli.run"])
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "mlm.cli.run"]
+    )
     args.training_script_args = list(worker_argv)
     try:
         run(args)
@@ -149,10 +157,14 @@ def cluster_commands(world: int, gpus_per_node: int, worker_argv: list[str]) -> 
     per_node = max(1, min(gpus_per_node, world))
     nodes = math.ceil(world / per_node)
     args = " ".join(shlex.quote(a) for a in worker_argv)
-    torchrun = (f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
-                f"--rdzv-endpoint=$MASTER_ADDR:29500 -m mlm.cli.run {args}")
-    inner = (f"srun torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
-             f"--rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 "
-             f"-m mlm.cli.run {args}")
+    torchrun = (
+        f"torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
+        f"--rdzv-endpoint=$MASTER_ADDR:29500 -m mlm.cli.run {args}"
+    )
+    inner = (
+        f"srun torchrun --nnodes={nodes} --nproc-per-node={per_node} --rdzv-backend=c10d "
+        f"--rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 "
+        f"-m mlm.cli.run {args}"
+    )
     sbatch = f"sbatch --nodes={nodes} --ntasks-per-node=1 --gpus-per-node={per_node} --wrap {shlex.quote(inner)}"
     return torchrun, sbatch

@@ -3,6 +3,7 @@
 tp is the fastest-varying axis (tensor-parallel groups are neighbouring ranks, inside a node) and pp the slowest,
 as in Megatron-LM. Context parallelism (cp > 1) is not implemented by this runtime yet.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ class MeshInfo:
 
 def check_supported(layout: Layout) -> None:
     if layout.cp != 1:
-        raise Infeasible(f"layout.cp = {layout.cp}: context parallelism is not supported by mlm-run yet; "
-                         f"plan with --cp 1 (or leave it out)")
+        raise Infeasible(
+            f"layout.cp = {layout.cp}: context parallelism is not supported by mlm-run yet; "
+            f"plan with --cp 1 (or leave it out)"
+        )
 
 
 def build_mesh(layout: Layout, device_type: str) -> MeshInfo:
@@ -50,8 +53,10 @@ def build_mesh(layout: Layout, device_type: str) -> MeshInfo:
     check_supported(layout)
     world = dist.get_world_size()
     if world != layout.world_size:
-        raise Infeasible(f"the plan needs {layout.world_size} processes (pp{layout.pp}·dp{layout.dp}·tp{layout.tp}) "
-                         f"but {world} were launched")
+        raise Infeasible(
+            f"the plan needs {layout.world_size} processes (pp{layout.pp}·dp{layout.dp}·tp{layout.tp}) "
+            f"but {world} were launched"
+        )
     mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
     coords = mesh.get_coordinate()
     assert coords is not None

@@ -5,6 +5,7 @@ each layer of the plan, the pytree structure of its first call's arguments (whic
 carry gradients) and the shapes of its outputs. Stage splitting (stages.py) needs exactly this to cut an
 unmodified eager model at layer boundaries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,10 +15,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mlm.planner.errors import ModelLoadError, PlanFileError
 from mlm.planner.capture.loader import ModelSpec, instantiate, load_model_spec
-from mlm.planner.plan import Plan
 from mlm.planner.capture.training_step import TrainingModule, first_embedding_vocab
+from mlm.planner.errors import ModelLoadError, PlanFileError
+from mlm.planner.plan import Plan
 
 LOSS_LAYER = "loss"
 
@@ -43,8 +44,10 @@ def load_checked_spec(plan: Plan) -> ModelSpec:
     """The plan's model file, imported; its sha256 must equal the plan's (else the plan describes another model)."""
     spec = load_model_spec(plan.model.source, plan.model.entry, plan.model.args)
     if spec.sha256 != plan.model.sha256:
-        raise PlanFileError(f"model file {spec.path} has changed since the plan was made (sha256 {spec.sha256[:12]}… "
-                            f"!= plan's {plan.model.sha256[:12]}…): re-run mlm-plan for this file")
+        raise PlanFileError(
+            f"model file {spec.path} has changed since the plan was made (sha256 {spec.sha256[:12]}… "
+            f"!= plan's {plan.model.sha256[:12]}…): re-run mlm-plan for this file"
+        )
     return spec
 
 
@@ -60,8 +63,9 @@ def build_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") 
     return instantiate(spec, device)
 
 
-def token_batch(vocab: int, batch: int, seq: int, device: str | torch.device,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_batch(
+    vocab: int, batch: int, seq: int, device: str | torch.device, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     if str(device) == "meta":
         tokens = torch.zeros(batch, seq + 1, dtype=torch.long, device="meta")
     else:
@@ -98,8 +102,9 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn) -> None:
             if fqn in calls:
                 return
-            spec_out = pytree.tree_map(lambda x: TensorSpec(tuple(x.shape), x.dtype)
-                                       if isinstance(x, torch.Tensor) else x, out)
+            spec_out = pytree.tree_map(
+                lambda x: TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out
+            )
             calls[fqn] = LayerCall(fqn, pending[fqn], spec_out)
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
@@ -108,8 +113,10 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     try:
         TrainingModule(model, spec.loss_fn)(inputs, targets)
     except Exception as e:  # user model code on meta tensors
-        raise ModelLoadError(f"the training step does not run on the meta device: {type(e).__name__}: "
-                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ModelLoadError(
+            f"the training step does not run on the meta device: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     finally:
         for h in handles:
             h.remove()
@@ -118,8 +125,10 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         raise PlanFileError(f"plan.json: stages list layer(s) the forward never calls: {', '.join(missing[:3])}")
     if order != layers:
         first_bad = next(i for i, (a, b) in enumerate(zip(order, layers)) if a != b)
-        raise PlanFileError(f"plan.json: stages list layers out of execution order: at position {first_bad} the "
-                            f"model calls {order[first_bad]} but the plan has {layers[first_bad]}")
+        raise PlanFileError(
+            f"plan.json: stages list layers out of execution order: at position {first_bad} the "
+            f"model calls {order[first_bad]} but the plan has {layers[first_bad]}"
+        )
     return calls
 
 

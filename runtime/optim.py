@@ -1,4 +1,5 @@
 """Optimizer, learning-rate schedule, tied-weight gradient sync and clipping by the true global gradient norm."""
+
 from __future__ import annotations
 
 import math

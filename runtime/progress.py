@@ -1,4 +1,5 @@
 """Rank 0's view of training: a rich progress line per step and an optional JSON-lines log."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,14 @@ class StepReporter:
     """Context manager; call it with each StepRecord. Shows step, loss, tokens/s, TFLOP/s per GPU, MFU (when the
     plan has a GPU profile) and the measured step time beside the plan's prediction."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, log: Path | None = None, show: bool = True,
-                 console: Console | None = None) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        log: Path | None = None,
+        show: bool = True,
+        console: Console | None = None,
+    ) -> None:
         self.total, self.start = total_steps, start_step
         self.console = console or Console(stderr=True)
         self.log_path = log
@@ -27,13 +34,19 @@ class StepReporter:
         self._progress: Progress | None = None
         self._task = None
 
-    def __enter__(self) -> "StepReporter":
+    def __enter__(self) -> StepReporter:
         if self.log_path is not None:
             self._log = open(self.log_path, "a")
         if self.show:
-            self._progress = Progress(TextColumn("step"), MofNCompleteColumn(), BarColumn(),
-                                      TextColumn("{task.fields[stats]}"), TimeRemainingColumn(),
-                                      console=self.console, transient=False)
+            self._progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self._progress.__enter__()
             self._task = self._progress.add_task("train", total=self.total, completed=self.start, stats="")
         return self
@@ -45,8 +58,9 @@ class StepReporter:
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=rec.step, stats=describe(rec))
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._progress is not None:
             self._progress.__exit__(exc_type, exc, tb)
         if self._log is not None:

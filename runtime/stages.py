@@ -18,18 +18,20 @@ the model in which
 Limitation (checked where possible): activations must flow layer to layer; a root-level skip connection that
 jumps over a stage boundary would read a placeholder.
 """
+
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from mlm.planner.capture.training_step import TrainingModule
 from mlm.planner.errors import PlanFileError
 from mlm.planner.plan import Plan
-from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.model_build import LOSS_LAYER, LayerCall, TensorSpec, plan_layers
 
 
@@ -49,8 +51,10 @@ class Placeholder(nn.Module):
         self.fqn, self.output, self.device = fqn, output, device
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return pytree.tree_map(lambda s: torch.zeros(s.shape, dtype=s.dtype, device=self.device)
-                               if isinstance(s, TensorSpec) else s, self.output)
+        return pytree.tree_map(
+            lambda s: torch.zeros(s.shape, dtype=s.dtype, device=self.device) if isinstance(s, TensorSpec) else s,
+            self.output,
+        )
 
     def extra_repr(self) -> str:
         return f"{self.fqn} (on another stage)"
@@ -80,9 +84,17 @@ class StageModule(nn.Module):
 
     PREFIX = "inner.model."
 
-    def __init__(self, inner: TrainingModule, index: int, num_stages: int, layers: list[str],
-                 send_leaves: tuple[int, ...], recv_layer: str | None, recv_leaves: tuple[int, ...],
-                 context: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        inner: TrainingModule,
+        index: int,
+        num_stages: int,
+        layers: list[str],
+        send_leaves: tuple[int, ...],
+        recv_layer: str | None,
+        recv_leaves: tuple[int, ...],
+        context: Callable[[], Any] | None = None,
+    ) -> None:
         super().__init__()
         self.inner = inner
         self.index, self.num_stages, self.layers = index, num_stages, layers
@@ -90,8 +102,9 @@ class StageModule(nn.Module):
         self.context = context
         self._received: tuple[torch.Tensor, ...] | None = None
         if recv_layer is not None:
-            inner.model.get_submodule(recv_layer).register_forward_pre_hook(self._inject, with_kwargs=True,
-                                                                            prepend=True)
+            inner.model.get_submodule(recv_layer).register_forward_pre_hook(
+                self._inject, with_kwargs=True, prepend=True
+            )
 
     @property
     def is_last(self) -> bool:
@@ -100,8 +113,9 @@ class StageModule(nn.Module):
     def forward(self, *received: torch.Tensor, inputs: Any, targets: torch.Tensor) -> Any:
         if self.index > 0:
             if len(received) != len(self.recv_leaves):
-                raise RuntimeError(f"stage {self.index} received {len(received)} tensors, expected "
-                                   f"{len(self.recv_leaves)}")
+                raise RuntimeError(
+                    f"stage {self.index} received {len(received)} tensors, expected {len(self.recv_leaves)}"
+                )
             self._received = received
         try:
             if self.context is not None:
@@ -137,7 +151,7 @@ def _to_local(x: Any) -> Any:
 
 
 def original_fqn(name: str) -> str:
-    return name[len(StageModule.PREFIX):] if name.startswith(StageModule.PREFIX) else name
+    return name[len(StageModule.PREFIX) :] if name.startswith(StageModule.PREFIX) else name
 
 
 def stage_ranks(plan: Plan) -> list[int]:
@@ -150,18 +164,26 @@ def check_stage_boundaries(plan: Plan, calls: dict[str, LayerCall]) -> None:
     for i, stage in enumerate(plan.stages):
         layers = [x for x in stage.layers if x != LOSS_LAYER]
         if LOSS_LAYER in stage.layers and (i != len(plan.stages) - 1 or stage.layers[-1] != LOSS_LAYER):
-            raise PlanFileError(f"plan.json: stages[{i}] holds \"loss\"; it must be the last entry of the last stage")
+            raise PlanFileError(f'plan.json: stages[{i}] holds "loss"; it must be the last entry of the last stage')
         if not layers:
             raise PlanFileError(f"plan.json: stages[{i}] holds no layer (the loss must share a stage with the head)")
         if i > 0 and not calls[layers[0]].grad_leaves:
-            raise PlanFileError(f"plan.json: stages[{i}] starts at {layers[0]}, which receives no activation "
-                                f"from the previous stage")
+            raise PlanFileError(
+                f"plan.json: stages[{i}] starts at {layers[0]}, which receives no activation from the previous stage"
+            )
     if LOSS_LAYER not in plan.stages[-1].layers:
         raise PlanFileError('plan.json: the last stage must end with the pseudo-layer "loss"')
 
 
-def build_stage(model: nn.Module, loss_fn: Any, plan: Plan, index: int, calls: dict[str, LayerCall],
-                device: torch.device, context: Callable[[], Any] | None = None) -> StageModule:
+def build_stage(
+    model: nn.Module,
+    loss_fn: Any,
+    plan: Plan,
+    index: int,
+    calls: dict[str, LayerCall],
+    device: torch.device,
+    context: Callable[[], Any] | None = None,
+) -> StageModule:
     """The StageModule for stage `index`, sharing this stage's layer modules with `model` (see module doc)."""
     stages = plan.stages
     own = [x for x in stages[index].layers if x != LOSS_LAYER]
@@ -181,8 +203,7 @@ def build_stage(model: nn.Module, loss_fn: Any, plan: Plan, index: int, calls: d
     send = calls[next_first].grad_leaves if next_first is not None else ()
     recv_layer = own[0] if index > 0 else None
     recv = calls[own[0]].grad_leaves if index > 0 else ()
-    return StageModule(TrainingModule(stage_model, loss_fn), index, len(stages), own, send, recv_layer, recv,
-                       context)
+    return StageModule(TrainingModule(stage_model, loss_fn), index, len(stages), own, send, recv_layer, recv, context)
 
 
 def _replace_modules(root: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:

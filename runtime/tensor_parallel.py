@@ -16,6 +16,7 @@ global shape keeps `B, T, C = x.size()` right. HF GPT-2's Conv1D (a transposed L
 the weight sharded along the other dimension; torch's styles accept only nn.Linear / nn.Embedding, which is the one
 thing written by hand here.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -26,8 +27,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from mlm.planner.errors import PlanFileError
 from mlm.runtime.stages import Boundary, Placeholder
@@ -83,8 +89,13 @@ def style_for(style: str, module: nn.Module, sequence_parallel: bool) -> Paralle
     raise PlanFileError(f"plan.json: unknown tensor_parallel style {style!r}")
 
 
-def apply_tensor_parallel(model: nn.Module, tp_map: dict[str, str], mesh: DeviceMesh,
-                          sequence_parallel: bool, sequence_start: str | None = None) -> bool:
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_map: dict[str, str],
+    mesh: DeviceMesh,
+    sequence_parallel: bool,
+    sequence_start: str | None = None,
+) -> bool:
     """Parallelize the modules of `model` (one stage's copy) in place; returns whether a vocabulary-parallel head
     is present (then the loss must run under loss_parallel())."""
     names = [n for n, _ in model.named_modules() if n]
@@ -127,8 +138,10 @@ def _retie(model: nn.Module, ties: list[list[str]]) -> None:
             if current is first:
                 continue
             if _placements(current) != _placements(first) or current.shape != first.shape:
-                raise PlanFileError(f"plan.json: tied parameters {names[0]} and {other} get different "
-                                    f"tensor_parallel shardings; give both modules the same style")
+                raise PlanFileError(
+                    f"plan.json: tied parameters {names[0]} and {other} get different "
+                    f"tensor_parallel shardings; give both modules the same style"
+                )
             setattr(model.get_submodule(mod_name), attr, first)
 
 
@@ -173,7 +186,7 @@ def _enclosing_block(model: nn.Module, fqn: str) -> str | None:
     """The ancestor of `fqn` that is an element of a ModuleList (a transformer block), if any."""
     parts = fqn.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        parent = ".".join(parts[:i - 1]) if i > 1 else ""
+        parent = ".".join(parts[: i - 1]) if i > 1 else ""
         parent_mod = model.get_submodule(parent) if parent else model
         if isinstance(parent_mod, nn.ModuleList) and parts[i - 1].isdigit():
             return ".".join(parts[:i])
@@ -213,8 +226,9 @@ class Conv1DParallel(ParallelStyle):
         return out.to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, self._partition, partial(_call_input, self._input),
-                                 partial(_call_output, self._output))
+        return distribute_module(
+            module, device_mesh, self._partition, partial(_call_input, self._input), partial(_call_output, self._output)
+        )
 
 
 def _call_input(fn: Any, mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:

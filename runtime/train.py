@@ -6,31 +6,40 @@ torch.utils.checkpoint and torch.distributed.checkpoint. What is written here by
 provide: cutting an arbitrary eager model into stages (stages.py), the tied-weight all-reduce across stages and a
 global gradient norm over mixed DTensor / plain gradients across stages (optim.py).
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.data import TokenSource
-from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.data_parallel import apply_data_parallel, apply_recompute, choose_data_parallel
+from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
-from mlm.runtime.model_build import (LOSS_LAYER, build_model, canonical_names, load_checked_spec,
-                                     owner_layer, plan_layers, record_layer_calls, tied_groups)
-from mlm.runtime.optim import (TiedCopy, build_optimizer, clip_grads, grad_norm, lr_factor, set_lr,
-                               sync_tied_grads)
+from mlm.runtime.model_build import (
+    LOSS_LAYER,
+    build_model,
+    canonical_names,
+    load_checked_spec,
+    owner_layer,
+    plan_layers,
+    record_layer_calls,
+    tied_groups,
+)
+from mlm.runtime.optim import TiedCopy, build_optimizer, clip_grads, grad_norm, lr_factor, set_lr, sync_tied_grads
 from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
 from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, sequence_parallel_start
 
@@ -97,14 +106,15 @@ def check_plan_runnable(plan: Plan) -> None:
     lay = plan.layout
     check_supported(lay)
     if lay.pp > 1 and lay.vpp > 1 and lay.num_microbatches % lay.pp != 0:
-        raise Infeasible(f"interleaved 1F1B needs num_microbatches ({lay.num_microbatches}) divisible by pp "
-                         f"({lay.pp})")
+        raise Infeasible(f"interleaved 1F1B needs num_microbatches ({lay.num_microbatches}) divisible by pp ({lay.pp})")
     if lay.tp > 1:
         if plan.model.num_heads % lay.tp:
             raise Infeasible(f"tp = {lay.tp} does not divide the {plan.model.num_heads} attention heads")
         if plan.model.vocab_size % lay.tp and "vocab" in plan.tensor_parallel.values():
-            raise Infeasible(f"tp = {lay.tp} does not divide the vocabulary ({plan.model.vocab_size}) for the "
-                             f"vocabulary-parallel embedding / head")
+            raise Infeasible(
+                f"tp = {lay.tp} does not divide the vocabulary ({plan.model.vocab_size}) for the "
+                f"vocabulary-parallel embedding / head"
+            )
         if lay.sequence_parallel and plan.training.seq_len % lay.tp:
             raise Infeasible(f"sequence parallelism needs seq_len ({plan.training.seq_len}) divisible by tp")
     if lay.micro_batch * lay.num_microbatches * lay.dp != plan.training.global_batch:
@@ -140,27 +150,49 @@ def setup(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None) -> Runtim
     for i in mine:
         stage = build_stage(model, spec.loss_fn, plan, i, calls, device, autocast).to(device)
         if lay.tp > 1:
-            vocab_head |= apply_tensor_parallel(stage.inner.model, plan.tensor_parallel, info.tp_mesh,
-                                                lay.sequence_parallel, seq_start)
+            vocab_head |= apply_tensor_parallel(
+                stage.inner.model, plan.tensor_parallel, info.tp_mesh, lay.sequence_parallel, seq_start
+            )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:
-                apply_recompute(stage.inner.model.get_submodule(fqn), "selective" if lay.recompute == "selective"
-                                else "full")
+                apply_recompute(
+                    stage.inner.model.get_submodule(fqn), "selective" if lay.recompute == "selective" else "full"
+                )
         stages.append(stage)
     choice = choose_data_parallel(lay, schedule_name(plan))
-    runners = [apply_data_parallel(st, [st.inner.model.get_submodule(f) for f in st.layers], choice, info.dp_mesh)
-               for st in stages]
+    runners = [
+        apply_data_parallel(st, [st.inner.model.get_submodule(f) for f in st.layers], choice, info.dp_mesh)
+        for st in stages
+    ]
     tied = _tied_copies(ties, plan, info, stages)
     del model  # other stages' layers are freed; this rank keeps only its own
     params = _unique_params(stages)
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
     schedule = _build_schedule(plan, stages, runners, info, device)
-    source = TokenSource(vocab=plan.model.vocab_size, seq_len=plan.training.seq_len,
-                         global_batch=plan.training.global_batch, seed=opts.seed, path=opts.data,
-                         dtype=opts.data_dtype)
+    source = TokenSource(
+        vocab=plan.model.vocab_size,
+        seq_len=plan.training.seq_len,
+        global_batch=plan.training.global_batch,
+        seed=opts.seed,
+        path=opts.data,
+        dtype=opts.data_dtype,
+    )
     source.check()
-    rt = Runtime(plan, opts, info, device, stages, runners, params, optimizer, schedule, tied, canonical, source,
-                 partial_contexts(lay.tp > 1, vocab_head, device))
+    rt = Runtime(
+        plan,
+        opts,
+        info,
+        device,
+        stages,
+        runners,
+        params,
+        optimizer,
+        schedule,
+        tied,
+        canonical,
+        source,
+        partial_contexts(lay.tp > 1, vocab_head, device),
+    )
     if opts.resume is not None:
         _resume(rt, opts.resume)
     return rt
@@ -226,8 +258,10 @@ def _tied_copies(ties: list[list[str]], plan: Plan, info: MeshInfo, stages: list
             continue
         stages_per_rank = {r: {stage_of[owner_layer(n, layers)] for n in ns} for r, ns in owners.items()}
         if any(len(s) > 1 for s in stages_per_rank.values()):
-            raise PlanFileError(f"plan.json: tied parameters {', '.join(names)} lie on two stages of one pipeline "
-                                f"rank; place them on one stage or on different ranks")
+            raise PlanFileError(
+                f"plan.json: tied parameters {', '.join(names)} lie on two stages of one pipeline "
+                f"rank; place them on one stage or on different ranks"
+            )
         pp_ranks = sorted(owners)
         for d in range(lay.dp):
             for t in range(lay.tp):
@@ -244,15 +278,17 @@ def _identity_loss(output: torch.Tensor, _target: Any) -> torch.Tensor:
     return output.reshape(())  # the last stage already returns the training loss (TrainingModule)
 
 
-def _build_schedule(plan: Plan, stages: list[StageModule], runners: list[nn.Module], info: MeshInfo,
-                    device: torch.device) -> Any:
+def _build_schedule(
+    plan: Plan, stages: list[StageModule], runners: list[nn.Module], info: MeshInfo, device: torch.device
+) -> Any:
     if plan.layout.pp == 1:
         return None
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     n = plan.layout.num_microbatches
-    pstages = [PipelineStage(r, st.index, len(plan.stages), device, group=info.pp_group)
-               for r, st in zip(runners, stages)]
+    pstages = [
+        PipelineStage(r, st.index, len(plan.stages), device, group=info.pp_group) for r, st in zip(runners, stages)
+    ]
     name = schedule_name(plan)
     if name == "interleaved-1f1b":
         return ScheduleInterleaved1F1B(pstages, n_microbatches=n, loss_fn=_identity_loss)
@@ -283,18 +319,26 @@ def save_checkpoint(rt: Runtime, step: int) -> None:
                 break
     dist.all_reduce(bad)
     if float(bad) > 0:
-        raise NonFiniteError(f"step {step}: the parameters hold NaN or infinite values; not saving them over the "
-                             f"checkpoint in {rt.opts.save}")
-    meta = {"model_sha256": rt.plan.model.sha256, "layout": rt.plan.layout.describe(), "seed": rt.opts.seed,
-            "optimizer": rt.opts.optimizer}
+        raise NonFiniteError(
+            f"step {step}: the parameters hold NaN or infinite values; not saving them over the "
+            f"checkpoint in {rt.opts.save}"
+        )
+    meta = {
+        "model_sha256": rt.plan.model.sha256,
+        "layout": rt.plan.layout.describe(),
+        "seed": rt.opts.seed,
+        "optimizer": rt.opts.optimizer,
+    }
     ckpt.save(rt.opts.save, step, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical), meta)
     rt.saved_step = step
 
 
 # ---- the training loop ----
 
-def train(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None,
-          on_step: Callable[[StepRecord], None] | None = None) -> Runtime:
+
+def train(
+    plan: Plan, opts: RunOptions, spec: ModelSpec | None = None, on_step: Callable[[StepRecord], None] | None = None
+) -> Runtime:
     rt = setup(plan, opts, spec)
     run_steps(rt, on_step)
     return rt
@@ -365,11 +409,16 @@ def _nonfinite_message(rt: Runtime, step: int, loss: float, norm: float) -> str:
     kept = ""
     if rt.opts.save is not None:
         last = rt.saved_step if rt.saved_step is not None else ckpt.latest_step(rt.opts.save)
-        kept = (f"; the checkpoint in {rt.opts.save} (step {last}) is untouched" if last is not None
-                else "; nothing was saved")
-    return (f"step {step}: non-finite {what} (loss {loss}, gradient norm {norm}); stopped before the optimizer "
-            f"step{kept}. Lower --lr or --max-grad-norm, check the data, or pass --skip-nonfinite to drop such "
-            f"steps")
+        kept = (
+            f"; the checkpoint in {rt.opts.save} (step {last}) is untouched"
+            if last is not None
+            else "; nothing was saved"
+        )
+    return (
+        f"step {step}: non-finite {what} (loss {loss}, gradient norm {norm}); stopped before the optimizer "
+        f"step{kept}. Lower --lr or --max-grad-norm, check the data, or pass --skip-nonfinite to drop such "
+        f"steps"
+    )
 
 
 def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -414,8 +463,7 @@ def _reduce_step(rt: Runtime, loss_sum: torch.Tensor, norm: float) -> tuple[floa
     loss = loss_sum.float().reshape(1) if holder else torch.zeros(1, device=rt.device)
     loss_bad = not bool(torch.isfinite(loss).all())
     flags = [1.0 if rt.stop.requested else 0.0, 1.0 if loss_bad else 0.0, 0.0 if math.isfinite(norm) else 1.0]
-    value = torch.cat([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0),
-                       torch.tensor(flags, device=rt.device)])
+    value = torch.cat([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), torch.tensor(flags, device=rt.device)])
     dist.all_reduce(value)
     stop, any_loss_bad, any_norm_bad = (float(v) > 0 for v in value[1:])
     mean = float("nan") if any_loss_bad else float(value[0]) / (lay.dp * lay.num_microbatches)
@@ -439,16 +487,26 @@ def peak_tflops(plan: Plan) -> float | None:
     return None
 
 
-def _record(rt: Runtime, step: int, loss: float, norm: float, lr: float, elapsed: float,
-            flops: float, skipped: bool = False) -> StepRecord:
+def _record(
+    rt: Runtime, step: int, loss: float, norm: float, lr: float, elapsed: float, flops: float, skipped: bool = False
+) -> StepRecord:
     plan = rt.plan
     tokens = plan.training.global_batch * plan.training.seq_len
     tflops = flops / elapsed / plan.layout.world_size / 1e12
     peak = peak_tflops(plan) if rt.device.type == "cuda" else None
     predicted = plan.predicted.step_time_s if plan.predicted is not None else None
-    return StepRecord(step=step + 1, loss=loss, grad_norm=norm, lr=lr, step_time_s=elapsed,
-                      tokens_per_s=tokens / elapsed, tflops_per_gpu=tflops,
-                      mfu=(tflops / peak) if peak else None, predicted_step_time_s=predicted, skipped=skipped)
+    return StepRecord(
+        step=step + 1,
+        loss=loss,
+        grad_norm=norm,
+        lr=lr,
+        step_time_s=elapsed,
+        tokens_per_s=tokens / elapsed,
+        tflops_per_gpu=tflops,
+        mfu=(tflops / peak) if peak else None,
+        predicted_step_time_s=predicted,
+        skipped=skipped,
+    )
 
 
 def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
 """Shared test helpers: paths to the test models and the reference data."""
+
 from __future__ import annotations
 
 from pathlib import Path

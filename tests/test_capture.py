@@ -1,15 +1,16 @@
 """Capture on the meta device: exact parameter counts, analytic FLOPs, activations, replication, real model code."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-
 from conftest import MODELS, megatron_rows
-from mlm.planner.capture.trace import capture, find_block_group
+
 from mlm.planner.capture.loader import instantiate, load_model_spec
 from mlm.planner.capture.presets.registry import PRESETS
+from mlm.planner.capture.trace import capture, find_block_group
 
 
 def exact_params(spec) -> int:
@@ -39,7 +40,10 @@ def test_megatron_presets_match_table1(row: dict[str, str]) -> None:
     name = "megatron-1t" if row["params_b"] == "1008.0" else f"megatron-{row['params_b']}b"
     spec = load_model_spec(name)
     assert (spec.args["n_head"], spec.args["n_embd"], spec.args["n_layer"]) == (
-        int(row["heads"]), int(row["hidden"]), int(row["layers"]))
+        int(row["heads"]),
+        int(row["hidden"]),
+        int(row["layers"]),
+    )
     params = exact_params(spec)
     l, h, V, seq = int(row["layers"]), int(row["hidden"]), 51200, 2048
     eq2 = 12 * l * h**2 * (1 + 13 / (12 * h) + (V + seq) / (12 * l * h))  # Narayanan et al. 2021, Eq. 2
@@ -90,15 +94,18 @@ def test_flash_attention_block_saves_no_score_matrix() -> None:
 
 
 def test_block_replication_equals_whole_model_capture() -> None:
-    spec = load_model_spec("gpt2", args={"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512,
-                                         "block_size": 64})
+    spec = load_model_spec("gpt2", args={"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 512, "block_size": 64})
     cut = capture(spec, seq_len=64)
     whole = capture(spec, seq_len=64, replicate=False)
     assert "replicated x4" in cut.capture_method and "replicated" not in whole.capture_method
     assert [layer.name for layer in cut.layers] == [layer.name for layer in whole.layers]
     for a, b in zip(cut.layers, whole.layers):
         assert (a.params, a.flops_matmul, a.flops_attention, a.flops_elementwise) == (
-            b.params, b.flops_matmul, b.flops_attention, b.flops_elementwise), a.name
+            b.params,
+            b.flops_matmul,
+            b.flops_attention,
+            b.flops_elementwise,
+        ), a.name
         assert a.activations == b.activations, a.name
         assert [op.fqn for op in a.linears] == [op.fqn for op in b.linears]
 
@@ -141,8 +148,9 @@ def test_hugging_face_models_from_configs(entry: str, layers_name: str) -> None:
     assert find_block_group(model).fqn == layers_name
     assert ir.num_layers == 2 and ir.hidden_size == 64
     linear_fqns = {op.fqn for layer in ir.blocks for op in layer.linears}
-    assert f"{layers_name}.1" in {fqn.rsplit('.', 2)[0] if 'attn' in fqn or 'mlp' in fqn else fqn
-                                 for fqn in linear_fqns} or any(f.startswith(f"{layers_name}.1.") for f in linear_fqns)
+    assert f"{layers_name}.1" in {
+        fqn.rsplit(".", 2)[0] if "attn" in fqn or "mlp" in fqn else fqn for fqn in linear_fqns
+    } or any(f.startswith(f"{layers_name}.1.") for f in linear_fqns)
 
 
 def test_model_args_override_preset_defaults() -> None:

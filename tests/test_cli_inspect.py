@@ -1,4 +1,5 @@
 """mlm-plan --inspect and the bad-input contract: one clear line, exit code 2, never a traceback."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import MODELS
+
 from mlm.cli.plan import main
 
 
@@ -50,7 +51,11 @@ def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
 
 
 def test_console_script_exit_code() -> None:
-    proc = subprocess.run([sys.executable, "-m", "mlm.cli.plan", "no-such-preset", "--inspect"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlm.cli.plan", "no-such-preset", "--inspect"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "unknown model" in proc.stderr

@@ -1,4 +1,5 @@
-"""Unit tests of the cost model (planner/cost/step_time.py and its helpers): each checks a formula that could be wrong."""
+"""Unit tests of the cost model (planner/cost/): each checks a formula that could be wrong."""
+
 from __future__ import annotations
 
 import math
@@ -8,16 +9,22 @@ from dataclasses import replace
 
 import pytest
 
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.cost.collectives import all_gather_s, all_reduce_s, group_link, p2p_link
-from mlm.planner.cost.step_time import (CostOptions, StageAssignment, balanced_blocks, evaluate, stage_coefficients,
-                              summarize)
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.cost.memory import working_bytes
+from mlm.planner.cost.schedule import bubble_fraction, inflight, pipeline_time
+from mlm.planner.cost.step_time import (
+    CostOptions,
+    StageAssignment,
+    balanced_blocks,
+    evaluate,
+    stage_coefficients,
+    summarize,
+)
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
-from mlm.planner.capture.loader import load_model_spec
-from mlm.planner.cost.memory import working_bytes
-from mlm.planner.cost.hardware import resolve
-from mlm.planner.cost.schedule import bubble_fraction, inflight, pipeline_time
 
 GIB = 2**30
 
@@ -58,12 +65,13 @@ def test_bubble_is_pp_minus_one_over_vm_of_ideal(pp, vpp, m):
 def test_bubble_of_evaluate_follows_the_stage_times(gpt3, hw):
     for layout in (L(), L(vpp=3, num_microbatches=64)):
         ev = evaluate(gpt3, layout, *hw)
-        ranks = [sum(s.time_s for s in ev.stages[r::layout.pp]) for r in range(layout.pp)]
+        ranks = [sum(s.time_s for s in ev.stages[r :: layout.pp]) for r in range(layout.pp)]
         assert ev.breakdown["bubble_s"] == pytest.approx((sum(ranks) - max(ranks)) / layout.vpp)
         # nearly balanced stages: close to the textbook fraction of the ideal
         ideal = ev.step_time_s - ev.breakdown["bubble_s"] - ev.breakdown["dp_comm_s"] - ev.breakdown["optimizer_s"]
         assert ev.breakdown["bubble_s"] / ideal == pytest.approx(
-            bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches), rel=0.15)
+            bubble_fraction(layout.pp, layout.vpp, layout.num_microbatches), rel=0.15
+        )
 
 
 def test_inflight_1f1b_and_interleaved():
@@ -92,7 +100,8 @@ def test_ring_factors_and_links(hw):
     nvlink = group_link(cluster, 8, 1)
     assert not nvlink.crosses_nodes
     assert nvlink.bus_bytes_per_s == pytest.approx(
-        cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency)
+        cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency
+    )
     nbytes = 1e9
     ar = all_reduce_s(nbytes, 8, nvlink) - nvlink.latency_s
     assert ar == pytest.approx(2 * 7 / 8 * nbytes / nvlink.bus_bytes_per_s)  # NCCL ring: 2(n-1)/n
@@ -100,7 +109,8 @@ def test_ring_factors_and_links(hw):
     dp_after_tp8 = group_link(cluster, 4, 8)  # one member per node: one NIC
     assert dp_after_tp8.crosses_nodes
     assert dp_after_tp8.bus_bytes_per_s == pytest.approx(
-        cluster.inter_node_gbps * 1e9 * cluster.inter_node_collective_efficiency)
+        cluster.inter_node_gbps * 1e9 * cluster.inter_node_collective_efficiency
+    )
     dp_alone = group_link(cluster, 32, 1)  # 8 members per node drive 8 NICs
     assert dp_alone.bus_bytes_per_s > 4 * dp_after_tp8.bus_bytes_per_s
     assert p2p_link(cluster, 8).crosses_nodes and not p2p_link(cluster, 2).crosses_nodes
@@ -152,19 +162,35 @@ def test_recompute_costs(gpt3, hw):
     assert evaluate(gpt3, L(recompute="selective"), *hw).breakdown["recompute_s"] == 0.0
 
 
-@pytest.mark.parametrize("kw", [{}, dict(vpp=2), dict(zero=1), dict(zero=3, recompute="none"),
-                                dict(sequence_parallel=True, recompute="selective")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(vpp=2),
+        dict(zero=1),
+        dict(zero=3, recompute="none"),
+        dict(sequence_parallel=True, recompute="selective"),
+    ],
+)
 def test_breakdown_adds_up(gpt3, hw, kw):
     ev = evaluate(gpt3, L(**kw), *hw)
-    assert set(ev.breakdown) == {"compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "recompute_s",
-                                 "optimizer_s"}
+    assert set(ev.breakdown) == {
+        "compute_s",
+        "tp_comm_s",
+        "pp_comm_s",
+        "dp_comm_s",
+        "bubble_s",
+        "recompute_s",
+        "optimizer_s",
+    }
     assert sum(ev.breakdown.values()) == pytest.approx(ev.step_time_s, rel=1e-12)
     layout = ev.layout
     assert ev.tokens_per_s == pytest.approx(layout.global_batch * 2048 / ev.step_time_s)
     assert ev.mfu == pytest.approx(ev.model_tflops_per_gpu / hw[0].bf16_tflops)
     korthikanti = 72 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (12 * 96 * 12288))
     assert ev.model_tflops_per_gpu == pytest.approx(
-        layout.global_batch * korthikanti / ev.step_time_s / layout.world_size / 1e12, rel=1e-3)
+        layout.global_batch * korthikanti / ev.step_time_s / layout.world_size / 1e12, rel=1e-3
+    )
 
 
 # ---- memory accounting and infeasibility -------------------------------------------------------------------------
@@ -224,8 +250,13 @@ def test_stage_coefficients_reproduce_evaluate(gpt3, hw, kw):
     c = stage_coefficients(gpt3, layout, *hw)
     assert c.num_blocks == 96 and len(c.inflight) == S
     for i, (st, n, r) in enumerate(zip(ev.stages, counts, rcs)):
-        want = (n * c.block_time_s + r * c.block_recompute_extra_s + (c.pre_time_s if i == 0 else 0)
-                + (c.post_time_s if i == S - 1 else 0) + c.p2p_time_s)
+        want = (
+            n * c.block_time_s
+            + r * c.block_recompute_extra_s
+            + (c.pre_time_s if i == 0 else 0)
+            + (c.post_time_s if i == S - 1 else 0)
+            + c.p2p_time_s
+        )
         assert st.time_s == pytest.approx(want, rel=1e-9)
     for rank in range(layout.pp):
         lhs = 0.0
@@ -247,8 +278,11 @@ def test_stage_coefficients_reproduce_evaluate(gpt3, hw, kw):
 
 
 def test_cost_model_does_not_import_torch():
-    code = ("import sys, mlm.planner.cost.step_time, mlm.planner.cost.memory, mlm.planner.cost.schedule, mlm.planner.cost.collectives; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, mlm.planner.cost.step_time, mlm.planner.cost.memory, mlm.planner.cost.schedule, "
+        "mlm.planner.cost.collectives; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,4 +1,5 @@
 """Calibration: predicted vs published TFLOP/s per GPU on Narayanan et al. 2021, Table 1 (all ten rows)."""
+
 from __future__ import annotations
 
 import statistics
@@ -40,7 +41,8 @@ def test_worst_row(rows):
     worst = max(rows, key=lambda r: abs(r.error))
     assert abs(worst.error) <= WORST_TARGET, (
         f"{worst.params_b}B: predicted {worst.predicted_tflops:.0f} vs published {worst.published_tflops:.0f} "
-        f"TFLOP/s ({100 * worst.error:+.1f}%)")
+        f"TFLOP/s ({100 * worst.error:+.1f}%)"
+    )
 
 
 def test_trend_small_to_large(rows):

@@ -4,24 +4,27 @@ mutated plan.json files. None may print a traceback or exit with anything but 0 
 The commands run in-process through their main(argv). mlm-run stops short of training (the launch is replaced by
 a stub, so a plan that passes validation is counted, not run); mlm-profile stops before measuring.
 """
+
 from __future__ import annotations
 
 import io
 import json
 import random
+from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from mlm.planner.plan import save_plan
 from test_runtime_harness import GPT_ARGS, make_plan
 
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-                derandomize=True)
+from mlm.planner.plan import save_plan
+
+SETTINGS = dict(
+    deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True
+)
 
 
 def _call(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, str]:
@@ -52,28 +55,39 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (tmp / "dir.json").mkdir()
     (tmp / "tokens.bin").write_bytes(bytes(7))
     (tmp / "model.py").write_text("import torch\nraise RuntimeError('boom at import')\n")
-    return {"good": good, "empty": tmp / "empty.json", "binary": tmp / "binary.json", "list": tmp / "list.json",
-            "dir": tmp / "dir.json", "tokens": tmp / "tokens.bin", "model": tmp / "model.py",
-            "missing": tmp / "missing" / "x.json", "tmp": tmp}
+    return {
+        "good": good,
+        "empty": tmp / "empty.json",
+        "binary": tmp / "binary.json",
+        "list": tmp / "list.json",
+        "dir": tmp / "dir.json",
+        "tokens": tmp / "tokens.bin",
+        "model": tmp / "model.py",
+        "missing": tmp / "missing" / "x.json",
+        "tmp": tmp,
+    }
 
 
 SMALL = st.sampled_from([1, 2, 4, 8, 16, 64])  # mostly plausible values, so the commands get past argparse
 ODD = st.sampled_from(["0", "-1", "1e400", "nan", "inf", "-inf", "0x10", "1_000", "", " ", "3.5", "1e3", "ten"])
-NUMBERS = st.one_of(SMALL, SMALL, SMALL, st.integers(-10**12, 10**12), ODD)
+NUMBERS = st.one_of(SMALL, SMALL, SMALL, st.integers(-(10**12), 10**12), ODD)
 NUMBER_TEXT = NUMBERS.map(str)
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False)
-                           | st.text(max_size=8), lambda kids: st.lists(kids, max_size=3)
-                           | st.dictionaries(st.text(max_size=5), kids, max_size=3), max_leaves=6)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=6,
+)
 
 
 def _paths(files: dict[str, Path]) -> st.SearchStrategy[str]:
     return st.sampled_from(["good", "empty", "binary", "list", "dir", "tokens", "model", "missing"]).map(
-        lambda k: str(files[k])) | st.sampled_from(["", "-", "/", "/dev/null", "/proc/self/mem", "\x7f", "a" * 300,
-                                                    "~/nope", "../../etc/passwd"])
+        lambda k: str(files[k])
+    ) | st.sampled_from(["", "-", "/", "/dev/null", "/proc/self/mem", "\x7f", "a" * 300, "~/nope", "../../etc/passwd"])
 
 
 def _flags(spec: dict[str, st.SearchStrategy[str] | None]) -> st.SearchStrategy[list[str]]:
     """Random subsets of a command's flags (None: a switch), in random order, sometimes with junk appended."""
+
     def build(chosen: list[tuple[str, str | None]], junk: list[str]) -> list[str]:
         argv: list[str] = []
         for flag, value in chosen:
@@ -81,12 +95,14 @@ def _flags(spec: dict[str, st.SearchStrategy[str] | None]) -> st.SearchStrategy[
         return argv + junk
 
     pair = st.sampled_from(sorted(spec)).flatmap(
-        lambda f: st.tuples(st.just(f), spec[f] if spec[f] is not None else st.none()))
+        lambda f: st.tuples(st.just(f), spec[f] if spec[f] is not None else st.none())
+    )
     junk = st.lists(st.sampled_from(["--nope", "-x", "--", "--steps=", "=", "--json=1"]), max_size=1)
     return st.builds(build, st.lists(pair, max_size=4), junk)
 
 
 # ---- plan.json mutations ----
+
 
 def _mutate(doc: Any, rng: random.Random, value: Any) -> Any:
     """Replace, delete or add one entry somewhere inside doc (in place on a copy)."""
@@ -115,11 +131,16 @@ def _mutate(doc: Any, rng: random.Random, value: Any) -> Any:
     return doc
 
 
-@given(seed=st.integers(0, 2**32 - 1), value=JSON_VALUES, cut=st.floats(0, 1), how=st.sampled_from(
-    ["mutate", "mutate", "mutate", "truncate", "bytes"]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    value=JSON_VALUES,
+    cut=st.floats(0, 1),
+    how=st.sampled_from(["mutate", "mutate", "mutate", "truncate", "bytes"]),
+)
 @settings(max_examples=120, **SETTINGS)
-def test_mlm_run_rejects_mutated_plans_cleanly(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                               seed: int, value: Any, cut: float, how: str) -> None:
+def test_mlm_run_rejects_mutated_plans_cleanly(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, seed: int, value: Any, cut: float, how: str
+) -> None:
     import mlm.cli.run as run_cli
     import mlm.runtime.launch as launch
 
@@ -143,37 +164,67 @@ def test_mlm_run_rejects_mutated_plans_cleanly(files: dict[str, Path], monkeypat
     _check(run_cli.main, [str(path), "--device", "cpu"])
 
 
-RUN_FLAGS = {"--steps": NUMBER_TEXT, "--data": None, "--data-dtype": st.sampled_from(["uint16", "uint32", "int8"]),
-             "--save": None, "--save-every": NUMBER_TEXT, "--resume": None, "--device": st.sampled_from(["cpu", "tpu"]),
-             "--optimizer": st.sampled_from(["adamw", "sgd", "lion"]), "--lr": NUMBER_TEXT,
-             "--warmup-steps": NUMBER_TEXT, "--lr-decay-steps": NUMBER_TEXT, "--max-grad-norm": NUMBER_TEXT,
-             "--seed": NUMBER_TEXT, "--log": None, "--skip-nonfinite": None, "--max-restarts": NUMBER_TEXT}
+RUN_FLAGS = {
+    "--steps": NUMBER_TEXT,
+    "--data": None,
+    "--data-dtype": st.sampled_from(["uint16", "uint32", "int8"]),
+    "--save": None,
+    "--save-every": NUMBER_TEXT,
+    "--resume": None,
+    "--device": st.sampled_from(["cpu", "tpu"]),
+    "--optimizer": st.sampled_from(["adamw", "sgd", "lion"]),
+    "--lr": NUMBER_TEXT,
+    "--warmup-steps": NUMBER_TEXT,
+    "--lr-decay-steps": NUMBER_TEXT,
+    "--max-grad-norm": NUMBER_TEXT,
+    "--seed": NUMBER_TEXT,
+    "--log": None,
+    "--skip-nonfinite": None,
+    "--max-restarts": NUMBER_TEXT,
+}
 
 
 @given(data=st.data())
 @settings(max_examples=60, **SETTINGS)
-def test_mlm_run_random_flags_and_paths(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                        data: st.DataObject) -> None:
+def test_mlm_run_random_flags_and_paths(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, data: st.DataObject
+) -> None:
     import mlm.cli.run as run_cli
 
     monkeypatch.setattr(run_cli, "_launch", lambda args, world, argv, console: 0)
     paths = _paths(files)
-    spec = {k: (paths if v is None and k in ("--data", "--save", "--resume", "--log") else v)
-            for k, v in RUN_FLAGS.items()}
+    spec = {
+        k: (paths if v is None and k in ("--data", "--save", "--resume", "--log") else v) for k, v in RUN_FLAGS.items()
+    }
     argv = [data.draw(paths, "plan")] + data.draw(_flags(spec), "flags")
     _check(run_cli.main, argv)
 
 
-PLAN_FLAGS = {"--gpus": NUMBER_TEXT, "--gpu": st.sampled_from(["a100-80gb", "h100-sxm", "nope", "/dev/null", ""]),
-              "--cluster": st.sampled_from(["nope", "/", ""]), "--seq-len": NUMBER_TEXT,
-              "--global-batch": NUMBER_TEXT, "--tp": NUMBER_TEXT, "--pp": NUMBER_TEXT, "--dp": NUMBER_TEXT,
-              "--micro-batch": NUMBER_TEXT, "--vpp": NUMBER_TEXT,
-              "--recompute": st.sampled_from(["none", "full", "half"]), "--sequence-parallel": None,
-              "--no-sequence-parallel": None, "--zero": st.sampled_from(["0", "1", "2", "3"]),
-              "--top": NUMBER_TEXT, "--json": None, "--explain": None, "--inspect": None,
-              "--model-arg": st.sampled_from(["n_layer=2", "n_layer=x", "=", "n_layer", "__import__('os')=1",
-                                              "n_embd=-1", "n_layer=10**100"]),
-              "--entry": st.sampled_from(["build_model", "nope", "__class__"]), "--time-limit": st.just("2")}
+PLAN_FLAGS = {
+    "--gpus": NUMBER_TEXT,
+    "--gpu": st.sampled_from(["a100-80gb", "h100-sxm", "nope", "/dev/null", ""]),
+    "--cluster": st.sampled_from(["nope", "/", ""]),
+    "--seq-len": NUMBER_TEXT,
+    "--global-batch": NUMBER_TEXT,
+    "--tp": NUMBER_TEXT,
+    "--pp": NUMBER_TEXT,
+    "--dp": NUMBER_TEXT,
+    "--micro-batch": NUMBER_TEXT,
+    "--vpp": NUMBER_TEXT,
+    "--recompute": st.sampled_from(["none", "full", "half"]),
+    "--sequence-parallel": None,
+    "--no-sequence-parallel": None,
+    "--zero": st.sampled_from(["0", "1", "2", "3"]),
+    "--top": NUMBER_TEXT,
+    "--json": None,
+    "--explain": None,
+    "--inspect": None,
+    "--model-arg": st.sampled_from(
+        ["n_layer=2", "n_layer=x", "=", "n_layer", "__import__('os')=1", "n_embd=-1", "n_layer=10**100"]
+    ),
+    "--entry": st.sampled_from(["build_model", "nope", "__class__"]),
+    "--time-limit": st.just("2"),
+}
 
 
 @given(data=st.data())
@@ -181,17 +232,28 @@ PLAN_FLAGS = {"--gpus": NUMBER_TEXT, "--gpu": st.sampled_from(["a100-80gb", "h10
 def test_mlm_plan_random_flags(files: dict[str, Path], data: st.DataObject) -> None:
     from mlm.cli.plan import main
 
-    model = data.draw(st.sampled_from(["gpt2", "no-such-preset", str(files["model"]), str(files["missing"]),
-                                       str(files["dir"]), "", "/dev/null"]), "model")
+    model = data.draw(
+        st.sampled_from(
+            ["gpt2", "no-such-preset", str(files["model"]), str(files["missing"]), str(files["dir"]), "", "/dev/null"]
+        ),
+        "model",
+    )
     base = ["--time-limit", "2"] + (["--gpus", "8"] if data.draw(st.booleans(), "gpus") else [])
     _check(main, [model, *base, *data.draw(_flags(PLAN_FLAGS), "flags")])
 
 
-WHATIF_FLAGS = {"--gpus": NUMBER_TEXT, "--tokens": st.sampled_from(["300e9", "15T", "1e400", "-5", "x", "0", "1P"]),
-                "--days": NUMBER_TEXT, "--max-gpus": NUMBER_TEXT, "--max-params": None, "--memory": None,
-                "--sweep": st.sampled_from(["gpus=8,16", "gpus=", "gpu=nope", "x=1", "=", "global_batch=0,-1"]),
-                "--usd-per-gpu-hour": NUMBER_TEXT, "--json": None,
-                "--scale": st.sampled_from(["both", "nope"])}
+WHATIF_FLAGS = {
+    "--gpus": NUMBER_TEXT,
+    "--tokens": st.sampled_from(["300e9", "15T", "1e400", "-5", "x", "0", "1P"]),
+    "--days": NUMBER_TEXT,
+    "--max-gpus": NUMBER_TEXT,
+    "--max-params": None,
+    "--memory": None,
+    "--sweep": st.sampled_from(["gpus=8,16", "gpus=", "gpu=nope", "x=1", "=", "global_batch=0,-1"]),
+    "--usd-per-gpu-hour": NUMBER_TEXT,
+    "--json": None,
+    "--scale": st.sampled_from(["both", "nope"]),
+}
 
 
 @given(data=st.data())
@@ -210,14 +272,18 @@ class _Measured(BaseException):
     """mlm-profile got as far as measuring: every check of its arguments passed."""
 
 
-PROFILE_FLAGS = {"--out": None, "--device": st.sampled_from(["cpu", "cuda", "npu"]), "--quick": None,
-                 "--name": st.sampled_from(["x", "", "a/b", "../x", "\x00"]), "--world-size": NUMBER_TEXT}
+PROFILE_FLAGS = {
+    "--out": None,
+    "--device": st.sampled_from(["cpu", "cuda", "npu"]),
+    "--quick": None,
+    "--name": st.sampled_from(["x", "", "a/b", "../x", "\x00"]),
+    "--world-size": NUMBER_TEXT,
+}
 
 
 @given(data=st.data())
 @settings(max_examples=40, **SETTINGS)
-def test_mlm_profile_random_flags(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                  data: st.DataObject) -> None:
+def test_mlm_profile_random_flags(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch, data: st.DataObject) -> None:
     from mlm.cli.profile import main
     from mlm.runtime.profiling import machine as machine_profile
 

@@ -1,14 +1,15 @@
 """The memory model against Korthikanti et al. 2022 (Table 2) and the paper's GPT-3 175B layouts."""
+
 from __future__ import annotations
 
 import pytest
 
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
+from mlm.planner.cost.hardware import resolve
+from mlm.planner.cost.memory import activation_bytes, bytes_per_param, state_bytes
 from mlm.planner.cost.step_time import evaluate, summarize
 from mlm.planner.layout import Layout
-from mlm.planner.capture.loader import load_model_spec
-from mlm.planner.cost.memory import activation_bytes, bytes_per_param, state_bytes
-from mlm.planner.cost.hardware import resolve
 
 S, H, A, T = 2048, 12288, 96, 8  # GPT-3 175B: sequence, hidden, heads; tensor-parallel size
 
@@ -24,15 +25,18 @@ def plain_gpt_block():
     return summarize(capture(load_model_spec("gpt3-175b", args=dict(attention="manual", dropout=0.1)))).block
 
 
-@pytest.mark.parametrize("recompute,tp,sp,formula", [
-    ("none", 1, False, 34 + 5 * A * S / H),
-    ("none", T, False, 10 + 24 / T + 5 * A * S / (H * T)),
-    ("none", T, True, 34 / T + 5 * A * S / (H * T)),
-    ("selective", T, False, 10 + 24 / T),
-    ("selective", T, True, 34 / T),
-    ("full", T, False, 2.0),
-    ("full", T, True, 2.0 / T),
-])
+@pytest.mark.parametrize(
+    "recompute,tp,sp,formula",
+    [
+        ("none", 1, False, 34 + 5 * A * S / H),
+        ("none", T, False, 10 + 24 / T + 5 * A * S / (H * T)),
+        ("none", T, True, 34 / T + 5 * A * S / (H * T)),
+        ("selective", T, False, 10 + 24 / T),
+        ("selective", T, True, 34 / T),
+        ("full", T, False, 2.0),
+        ("full", T, True, 2.0 / T),
+    ],
+)
 def test_activations_match_korthikanti(plain_gpt_block, recompute, tp, sp, formula):
     """Bytes per layer in units of s·b·h (b = 1), Korthikanti et al. 2022 Table 2, within 5%."""
     for mb in (1, 4):

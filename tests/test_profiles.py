@@ -1,4 +1,5 @@
 """GPU/cluster profiles: presets, strict keys, interpolation, resolve(), and an end-to-end mlm-profile --quick run."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,10 @@ import math
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from mlm.planner.cost import hardware as P
 from mlm.planner.errors import PlanError
@@ -244,8 +245,21 @@ def _fake_measurement(world: int):
     from mlm.runtime.profiling.machine import Collectives, Measurement
 
     coll = Collectives("gloo", world, 2.0, 1.5, 1.0, 120.0)
-    return Measurement("cpu", "fake CPU", "float32", ((64, 0.01), (256, 0.05), (1024, 0.08)), 0.08, 0.08, 0.08,
-                       40.0, 44.0, ((128, 0.02), (512, 0.1)), coll, 8.0, 0.5)
+    return Measurement(
+        "cpu",
+        "fake CPU",
+        "float32",
+        ((64, 0.01), (256, 0.05), (1024, 0.08)),
+        0.08,
+        0.08,
+        0.08,
+        40.0,
+        44.0,
+        ((128, 0.02), (512, 0.1)),
+        coll,
+        8.0,
+        0.5,
+    )
 
 
 def test_build_profiles_from_a_measurement() -> None:

@@ -4,6 +4,7 @@ restart through torchrun's elastic agent, and nothing lost: resumed loss traject
 The model is the gpt preset slowed by a sleep in its first block (tests/models/slow_gpt.py) so that a signal lands
 in the middle of a step. Each test prints how long the fault took to resolve (pytest -s shows it).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_runtime_harness import GPT_ARGS, make_plan
 
 from mlm.planner.plan import save_plan
 from mlm.runtime import checkpoint as ckpt
-from test_runtime_harness import GPT_ARGS, make_plan
 
 SLOW = Path(__file__).resolve().parent / "models" / "slow_gpt.py"
 ARGS = dict(GPT_ARGS, n_layer=2)
@@ -34,8 +35,14 @@ def _dp2(tmp: Path) -> Path:
 
 
 def _start(*args: str, new_session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "mlm.cli.run", *args], env=ENV, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, start_new_session=new_session)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlm.cli.run", *args],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=new_session,
+    )
 
 
 def _log(path: Path) -> list[dict]:
@@ -92,17 +99,22 @@ def _losses(records: list[dict]) -> dict[int, float]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The uninterrupted run: STEPS steps of the dp = 2 plan (no sleep needed)."""
     tmp = tmp_path_factory.mktemp("ref")
-    proc = subprocess.run([sys.executable, "-m", "mlm.cli.run", str(_dp2(tmp)), *COMMON, "--log",
-                           str(tmp / "ref.jsonl")], env={**ENV, "MLM_TEST_SLEEP_S": "0"}, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlm.cli.run", str(_dp2(tmp)), *COMMON, "--log", str(tmp / "ref.jsonl")],
+        env={**ENV, "MLM_TEST_SLEEP_S": "0"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = _losses(_log(tmp / "ref.jsonl"))
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
 
 
-def test_sigkill_of_one_rank_ends_every_rank_and_keeps_the_checkpoint(tmp_path: Path,
-                                                                      reference: dict[int, float]) -> None:
+def test_sigkill_of_one_rank_ends_every_rank_and_keeps_the_checkpoint(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     plan, log, ck = _dp2(tmp_path), tmp_path / "log.jsonl", tmp_path / "ck"
     proc = _start(str(plan), *COMMON, "--save", str(ck), "--save-every", "2", "--log", str(log))
     _wait_for_steps(proc, log, 3)
@@ -127,8 +139,26 @@ def test_sigkill_of_one_rank_ends_every_rank_and_keeps_the_checkpoint(tmp_path: 
 
     os.environ["MLM_TEST_SLEEP_S"] = "0"
     try:
-        assert main([str(one), "--steps", str(saved + 1), "--lr-decay-steps", str(STEPS), "--device", "cpu",
-                     "--lr", "1e-2", "--resume", str(ck), "--log", str(tmp_path / "resumed.jsonl")]) == 0
+        assert (
+            main(
+                [
+                    str(one),
+                    "--steps",
+                    str(saved + 1),
+                    "--lr-decay-steps",
+                    str(STEPS),
+                    "--device",
+                    "cpu",
+                    "--lr",
+                    "1e-2",
+                    "--resume",
+                    str(ck),
+                    "--log",
+                    str(tmp_path / "resumed.jsonl"),
+                ]
+            )
+            == 0
+        )
     finally:
         os.environ.pop("MLM_TEST_SLEEP_S", None)
     [rec] = _log(tmp_path / "resumed.jsonl")
@@ -137,7 +167,8 @@ def test_sigkill_of_one_rank_ends_every_rank_and_keeps_the_checkpoint(tmp_path: 
 
 
 def test_sigterm_to_mlm_run_saves_and_resume_continues_the_same_trajectory(
-        tmp_path: Path, reference: dict[int, float]) -> None:
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     plan, log, ck = _dp2(tmp_path), tmp_path / "log.jsonl", tmp_path / "ck"
     proc = _start(str(plan), *COMMON, "--save", str(ck), "--log", str(log))
     _wait_for_steps(proc, log, 3)
@@ -177,11 +208,11 @@ def test_ctrl_c_to_the_process_group_stops_every_rank_cleanly(tmp_path: Path) ->
     assert not any(_alive(pid) for pid in workers.values())
 
 
-def test_max_restarts_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path: Path,
-                                                                         reference: dict[int, float]) -> None:
+def test_max_restarts_restarts_a_killed_worker_from_the_last_checkpoint(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     plan, log, ck = _dp2(tmp_path), tmp_path / "log.jsonl", tmp_path / "ck"
-    proc = _start(str(plan), *COMMON, "--save", str(ck), "--save-every", "2", "--max-restarts", "1", "--log",
-                  str(log))
+    proc = _start(str(plan), *COMMON, "--save", str(ck), "--save-every", "2", "--max-restarts", "1", "--log", str(log))
     _wait_for_steps(proc, log, 3)
     first = _workers(proc.pid)
     os.kill(first[0], signal.SIGKILL)

@@ -1,6 +1,7 @@
 """Reliability of saves and steps, in forked gloo workers: a kill at any point of a save leaves a loadable latest
 checkpoint, a full disk is reported and keeps the previous one, non-finite steps stop (or are skipped) without a
 NaN reaching a checkpoint, and loading a checkpoint never runs code from it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_runtime_harness import GPT_ARGS, free_port, make_plan, run_workers
 
 from mlm.planner.errors import PlanError
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.train import RunOptions, full_parameters, save_checkpoint, setup, train
-from test_runtime_harness import GPT_ARGS, free_port, make_plan, run_workers
 
 ARGS = dict(GPT_ARGS, n_layer=2)
 PLAN1 = make_plan("gpt", micro_batch=4, num_microbatches=1, args=ARGS)
@@ -29,6 +30,7 @@ BASE = RunOptions(steps=4, optimizer="adamw", lr=1e-2, seed=0)
 
 
 # ---- a kill in the middle of a save ----
+
 
 def _die_during_save(point: str, opts: RunOptions, port: int) -> None:
     """Child: train 2 steps (saved), then save step 3 and die by os._exit at `point`."""
@@ -88,6 +90,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint_latest(tmp_path: Path
 
 # ---- a full disk ----
 
+
 def _full_disk_on_rank1(rank: int, opts: RunOptions) -> str:
     from torch.distributed.checkpoint import filesystem
 
@@ -120,6 +123,7 @@ def test_a_full_disk_is_reported_and_the_previous_checkpoint_is_kept(tmp_path: P
 
 
 # ---- non-finite steps ----
+
 
 def _train_with(rank: int, plan: Any, opts: RunOptions, inject: str) -> tuple[str, list, dict]:
     os.environ["MLM_INJECT_NONFINITE"] = inject
@@ -162,8 +166,9 @@ def test_skip_nonfinite_drops_the_step_and_counts_it(tmp_path: Path) -> None:
     assert ckpt.latest_step(tmp_path / "ck") == 4
 
 
-def test_cli_nonfinite_loss_exits_2_naming_the_step(tmp_path: Path, capsys: pytest.CaptureFixture,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_nonfinite_loss_exits_2_naming_the_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from mlm.cli.run import main
     from mlm.planner.plan import save_plan
 
@@ -199,6 +204,7 @@ def test_a_nan_state_is_never_saved_over_a_checkpoint(tmp_path: Path) -> None:
 
 # ---- loading runs no code from the checkpoint ----
 
+
 class _Boom:
     def __reduce__(self) -> tuple:
         return (os.system, ("touch PWNED",))
@@ -216,7 +222,6 @@ def test_loading_a_checkpoint_never_unpickles_code(tmp_path: Path, monkeypatch: 
     monkeypatch.chdir(tmp_path)
     ck = tmp_path / "ck"
     run_workers(1, _load, dataclasses.replace(BASE, steps=1, save=ck))
-    good = (ck / ".metadata").read_bytes()
     (ck / ".metadata").write_bytes(pickle.dumps(_Boom()))
     [msg] = run_workers(1, _load, dataclasses.replace(BASE, steps=2, resume=ck))
     assert "cannot load" in msg and "posix.system" in msg, msg

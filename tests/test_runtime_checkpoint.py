@@ -1,4 +1,5 @@
 """Checkpoints: resume is bitwise on CPU, a checkpoint loads under another layout, saves are atomic."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_runtime_harness import make_plan, run_workers
 
 from mlm.planner.errors import PlanError
 from mlm.runtime.train import RunOptions, full_parameters, train
-from test_runtime_harness import make_plan, run_workers
 
 BASE = RunOptions(steps=6, optimizer="adamw", lr=1e-2, seed=0)
 

@@ -3,22 +3,24 @@
 Workers are forked from the pytest process (torch is already imported, ~5x faster than spawn), run with
 OMP_NUM_THREADS=1 and a 30 s process-group timeout so a hang becomes an error.
 """
+
 from __future__ import annotations
 
 import io
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mlm.planner.layout import Layout
 from mlm.planner.capture.loader import file_sha256
+from mlm.planner.layout import Layout
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Stage, Training
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,20 +36,43 @@ LLAMA_ARGS = dict(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
 HF_ARGS = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ)
 NANOGPT_ARGS = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
 
-GPT_TP = {"transformer.wte": "vocab", "transformer.h.*.attn.c_attn": "colwise",
-          "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
-          "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "vocab"}
+GPT_TP = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "lm_head": "vocab",
+}
 GPT_SP = {"transformer.h.*.ln_1": "sequence", "transformer.h.*.ln_2": "sequence", "transformer.ln_f": "sequence"}
-LLAMA_TP = {"tok_embeddings": "vocab", "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
-            "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
-            "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
-            "layers.*.feed_forward.w2": "rowwise", "output": "vocab"}
+LLAMA_TP = {
+    "tok_embeddings": "vocab",
+    "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise",
+    "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w1": "colwise",
+    "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise",
+    "output": "vocab",
+}
 LLAMA_SP = {"layers.*.attention_norm": "sequence", "layers.*.ffn_norm": "sequence", "norm": "sequence"}
-NANOGPT_TP = {"wte": "vocab", "h.*.c_attn": "colwise", "h.*.c_proj": "rowwise", "h.*.c_fc": "colwise",
-              "h.*.mlp_proj": "rowwise", "lm_head": "vocab"}
-HF_TP = {"transformer.wte": "vocab", "transformer.h.*.attn.c_attn": "colwise",
-         "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
-         "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "vocab"}
+NANOGPT_TP = {
+    "wte": "vocab",
+    "h.*.c_attn": "colwise",
+    "h.*.c_proj": "rowwise",
+    "h.*.c_fc": "colwise",
+    "h.*.mlp_proj": "rowwise",
+    "lm_head": "vocab",
+}
+HF_TP = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.c_attn": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "lm_head": "vocab",
+}
 
 
 def layer_names(kind: str, n: int) -> tuple[list[str], list[str], list[str]]:
@@ -56,25 +81,42 @@ def layer_names(kind: str, n: int) -> tuple[list[str], list[str], list[str]]:
         return ["tok_embeddings"], [f"layers.{i}" for i in range(n)], ["norm", "output"]
     if kind == "nanogpt":
         return ["wte", "wpe"], [f"h.{i}" for i in range(n)], ["ln_f", "lm_head"]
-    return (["transformer.wte", "transformer.wpe", "transformer.drop"], [f"transformer.h.{i}" for i in range(n)],
-            ["transformer.ln_f", "lm_head"])
+    return (
+        ["transformer.wte", "transformer.wpe", "transformer.drop"],
+        [f"transformer.h.{i}" for i in range(n)],
+        ["transformer.ln_f", "lm_head"],
+    )
 
 
-def make_plan(kind: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, vpp: int = 1, micro_batch: int = 2,
-              num_microbatches: int = 2, sp: bool = False, recompute: str = "none", zero: int = 0,
-              tp_map: dict[str, str] | None = None, model_file: Path | None = None,
-              args: dict[str, Any] | None = None) -> Plan:
+def make_plan(
+    kind: str = "gpt",
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    vpp: int = 1,
+    micro_batch: int = 2,
+    num_microbatches: int = 2,
+    sp: bool = False,
+    recompute: str = "none",
+    zero: int = 0,
+    tp_map: dict[str, str] | None = None,
+    model_file: Path | None = None,
+    args: dict[str, Any] | None = None,
+) -> Plan:
     """A plan as the planner would write it: blocks split evenly over pp*vpp stages."""
     file = model_file or {"gpt": GPT_FILE, "llama": LLAMA_FILE, "hf": HF_GPT2_FILE, "nanogpt": NANOGPT_FILE}[kind]
-    margs = dict(args if args is not None else
-                 {"gpt": GPT_ARGS, "llama": LLAMA_ARGS, "hf": HF_ARGS, "nanogpt": NANOGPT_ARGS}[kind])
+    margs = dict(
+        args
+        if args is not None
+        else {"gpt": GPT_ARGS, "llama": LLAMA_ARGS, "hf": HF_ARGS, "nanogpt": NANOGPT_ARGS}[kind]
+    )
     n_layers = margs.get("n_layer", margs.get("n_layers", 2))
     head, blocks, tail = layer_names(kind, n_layers)
     n_stages = pp * vpp
     per = [len(blocks) // n_stages + (1 if i < len(blocks) % n_stages else 0) for i in range(n_stages)]
     stages, pos = [], 0
     for i in range(n_stages):
-        layers = (head if i == 0 else []) + blocks[pos:pos + per[i]] + (tail + ["loss"] if i == n_stages - 1 else [])
+        layers = (head if i == 0 else []) + blocks[pos : pos + per[i]] + (tail + ["loss"] if i == n_stages - 1 else [])
         pos += per[i]
         rec = [x for x in layers if x in blocks] if recompute != "none" else []
         stages.append(Stage(index=i, layers=layers, recompute_layers=rec))
@@ -83,13 +125,36 @@ def make_plan(kind: str = "gpt", tp: int = 1, pp: int = 1, dp: int = 1, vpp: int
         if tp > 1:
             base = {"gpt": GPT_TP, "llama": LLAMA_TP, "hf": HF_TP, "nanogpt": NANOGPT_TP}[kind]
             tp_map = {**base, **({"gpt": GPT_SP, "llama": LLAMA_SP, "hf": GPT_SP}[kind] if sp else {})}
-    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, num_microbatches=num_microbatches, vpp=vpp,
-                    sequence_parallel=sp, recompute=recompute, zero=zero)  # type: ignore[arg-type]
-    model = ModelRef(source=str(file), sha256=file_sha256(file), entry="build_model", args=margs, num_params=0,
-                     num_layers=n_layers, hidden_size=32, num_heads=4, vocab_size=VOCAB)
-    return Plan(model=model, cluster=ClusterRef(gpu="cpu", num_gpus=layout.world_size, gpus_per_node=8, profile={}),
-                training=Training(global_batch=layout.global_batch, seq_len=SEQ, dtype="fp32"), layout=layout,
-                stages=stages, tensor_parallel=tp_map)
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        num_microbatches=num_microbatches,
+        vpp=vpp,
+        sequence_parallel=sp,
+        recompute=recompute,
+        zero=zero,
+    )  # type: ignore[arg-type]
+    model = ModelRef(
+        source=str(file),
+        sha256=file_sha256(file),
+        entry="build_model",
+        args=margs,
+        num_params=0,
+        num_layers=n_layers,
+        hidden_size=32,
+        num_heads=4,
+        vocab_size=VOCAB,
+    )
+    return Plan(
+        model=model,
+        cluster=ClusterRef(gpu="cpu", num_gpus=layout.world_size, gpus_per_node=8, profile={}),
+        training=Training(global_batch=layout.global_batch, seq_len=SEQ, dtype="fp32"),
+        layout=layout,
+        stages=stages,
+        tensor_parallel=tp_map,
+    )
 
 
 def free_port() -> int:
@@ -136,8 +201,14 @@ def run_workers(world: int, fn: Callable[..., Any], *args: Any, timeout: float =
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     code = 0
     try:

@@ -8,17 +8,18 @@ returned by forward(idx, targets)) gets (2,2,1). Several plans share one group o
 processes to keep the suite fast on two cores. Clipping is active (max norm 0.5 < the gradient norm), so the
 global-norm reduction over mixed DTensor / plain gradients and over the pp group is exercised.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 import torch
+from test_runtime_harness import GPT_ARGS, GPT_FILE, make_plan, run_workers
 
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.train import RunOptions, full_parameters, train
-from test_runtime_harness import GPT_ARGS, GPT_FILE, make_plan, run_workers
 
 OPTS = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
 GLOBAL_BATCH = 4
@@ -42,8 +43,12 @@ def _merged(per_rank: list[list[tuple[list[float], dict]]], i: int) -> tuple[lis
 
 def _plan(kind: str, **cfg: Any) -> Any:
     dp = cfg.get("dp", 1)
-    return make_plan(kind, micro_batch=2 if cfg.get("pp", 1) > 1 or dp > 1 else 1,
-                     num_microbatches=GLOBAL_BATCH // dp // (2 if cfg.get("pp", 1) > 1 or dp > 1 else 1), **cfg)
+    return make_plan(
+        kind,
+        micro_batch=2 if cfg.get("pp", 1) > 1 or dp > 1 else 1,
+        num_microbatches=GLOBAL_BATCH // dp // (2 if cfg.get("pp", 1) > 1 or dp > 1 else 1),
+        **cfg,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +101,36 @@ def test_single_process_reference_is_plain_torch(references: dict) -> None:
 
 
 def test_gpt_two_processes(references: dict) -> None:
-    _check("gpt", [dict(tp=2), dict(pp=2), dict(dp=2), dict(pp=2, vpp=2), dict(tp=2, sp=True),
-                   dict(dp=2, zero=3), dict(dp=2, zero=1), dict(tp=2, recompute="selective"),
-                   dict(pp=2, recompute="full")], 2, references)
+    _check(
+        "gpt",
+        [
+            dict(tp=2),
+            dict(pp=2),
+            dict(dp=2),
+            dict(pp=2, vpp=2),
+            dict(tp=2, sp=True),
+            dict(dp=2, zero=3),
+            dict(dp=2, zero=1),
+            dict(tp=2, recompute="selective"),
+            dict(pp=2, recompute="full"),
+        ],
+        2,
+        references,
+    )
 
 
 def test_gpt_four_processes(references: dict) -> None:
-    _check("gpt", [dict(tp=2, pp=2), dict(tp=2, pp=2, vpp=2, sp=True), dict(pp=2, dp=2, zero=3),
-                   dict(tp=2, dp=2, recompute="full")], 4, references)
+    _check(
+        "gpt",
+        [
+            dict(tp=2, pp=2),
+            dict(tp=2, pp=2, vpp=2, sp=True),
+            dict(pp=2, dp=2, zero=3),
+            dict(tp=2, dp=2, recompute="full"),
+        ],
+        4,
+        references,
+    )
 
 
 def test_gpt_eight_processes(references: dict) -> None:

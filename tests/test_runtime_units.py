@@ -1,21 +1,22 @@
 """Fast single-process checks of the runtime's rules and of stage splitting (no process group needed)."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
+from test_runtime_harness import make_plan
 
+from mlm.planner.capture.training_step import TrainingModule
 from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.layout import Layout
-from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.data_parallel import choose_data_parallel
 from mlm.runtime.model_build import build_model, load_checked_spec, record_layer_calls
 from mlm.runtime.optim import lr_factor
 from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries
 from mlm.runtime.tensor_parallel import expand_tp_map
 from mlm.runtime.train import check_plan_runnable, schedule_name
-from test_runtime_harness import make_plan
 
 
 def test_data_parallel_choice_avoids_the_known_traps() -> None:
@@ -38,8 +39,9 @@ def test_schedules_and_micro_batch_counts_are_validated() -> None:
     with pytest.raises(Infeasible, match="divisible by pp"):
         check_plan_runnable(make_plan(pp=2, vpp=2, num_microbatches=3))
     with pytest.raises(Infeasible, match="heads"):
-        check_plan_runnable(dataclasses.replace(make_plan(tp=2), model=dataclasses.replace(
-            make_plan().model, num_heads=3)))
+        check_plan_runnable(
+            dataclasses.replace(make_plan(tp=2), model=dataclasses.replace(make_plan().model, num_heads=3))
+        )
 
 
 def test_lr_schedule_warms_up_then_decays() -> None:
@@ -51,8 +53,11 @@ def test_lr_schedule_warms_up_then_decays() -> None:
 def test_tp_map_patterns_expand() -> None:
     names = ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn", "lm_head"]
     out = expand_tp_map({"transformer.h.*.attn.c_attn": "colwise", "lm_head": "vocab"}, names)
-    assert out == {"transformer.h.0.attn.c_attn": "colwise", "transformer.h.1.attn.c_attn": "colwise",
-                   "lm_head": "vocab"}
+    assert out == {
+        "transformer.h.0.attn.c_attn": "colwise",
+        "transformer.h.1.attn.c_attn": "colwise",
+        "lm_head": "vocab",
+    }
 
 
 @pytest.mark.parametrize("kind,stages", [("gpt", 4), ("llama", 3), ("hf", 2)])
@@ -76,15 +81,17 @@ def test_stages_chained_in_one_process_equal_the_whole_model(kind: str, stages: 
     torch.testing.assert_close(acts.reshape(()), ref, atol=1e-6, rtol=0)
     names = {n for p in parts for n, _ in p.named_parameters(remove_duplicate=False)}
     assert all(n.startswith(StageModule.PREFIX) for n in names)
-    stripped = {n[len(StageModule.PREFIX):] for n in names}
+    stripped = {n[len(StageModule.PREFIX) :] for n in names}
     assert stripped == {n for n, _ in ref_model.named_parameters(remove_duplicate=False)}
 
 
 def test_plans_that_do_not_fit_the_model_are_rejected() -> None:
     plan = make_plan("gpt", pp=2, micro_batch=2, num_microbatches=2)
     spec = load_checked_spec(plan)
-    swapped = [dataclasses.replace(s, layers=list(reversed(s.layers[:-1])) + s.layers[-1:]) if i == 1 else s
-               for i, s in enumerate(plan.stages)]
+    swapped = [
+        dataclasses.replace(s, layers=list(reversed(s.layers[:-1])) + s.layers[-1:]) if i == 1 else s
+        for i, s in enumerate(plan.stages)
+    ]
     with pytest.raises(PlanFileError, match="out of execution order"):
         record_layer_calls(spec, dataclasses.replace(plan, stages=swapped), 2)
     missing = [dataclasses.replace(s, layers=[x for x in s.layers if x != "lm_head"]) for s in plan.stages]

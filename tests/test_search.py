@@ -1,20 +1,21 @@
 """The layout search: pinning, infeasible requests, the stage MILP, plan.json round trip, and quality."""
+
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
 import pytest
-
 from conftest import megatron_rows
+
 from mlm.cli.plan import main
-from mlm.planner.capture.trace import capture
-from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.capture.loader import load_model_spec
-from mlm.planner.plan import load_plan, plan_from_dict, save_plan
-from mlm.planner.search.make_plan import make_plan
+from mlm.planner.capture.trace import capture
 from mlm.planner.cost.hardware import resolve
+from mlm.planner.errors import Infeasible, PlanError
+from mlm.planner.plan import load_plan, plan_from_dict, save_plan
 from mlm.planner.search.layouts import PlanRequest, search
+from mlm.planner.search.make_plan import make_plan
 from mlm.planner.search.stage_milp import StageProblem, solve_stages
 
 A100 = resolve("a100-80gb", "dgx-a100")
@@ -47,8 +48,9 @@ def test_free_search_is_no_slower_than_any_pinned_choice(gpt3) -> None:
         assert free.evaluation.step_time_s <= pinned.evaluation.step_time_s * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("row", [r for r in megatron_rows() if r["params_b"] in ("1.7", "39.1")],
-                         ids=lambda r: r["params_b"])
+@pytest.mark.parametrize(
+    "row", [r for r in megatron_rows() if r["params_b"] in ("1.7", "39.1")], ids=lambda r: r["params_b"]
+)
 def test_quality_against_the_papers_split(row: dict[str, str]) -> None:
     """Issue 4's quality target on two rows (benchmarks/bench_search.py prints all ten)."""
     ir = capture(load_model_spec(f"megatron-{row['params_b']}b"))
@@ -60,8 +62,18 @@ def test_quality_against_the_papers_split(row: dict[str, str]) -> None:
 
 def test_fully_pinned_layout_is_evaluated_exactly(small) -> None:
     spec, ir = small
-    req = PlanRequest(num_gpus=32, global_batch=512, tp=1, pp=1, dp=32, micro_batch=4, vpp=1, recompute="full",
-                      sequence_parallel=False, zero=0)
+    req = PlanRequest(
+        num_gpus=32,
+        global_batch=512,
+        tp=1,
+        pp=1,
+        dp=32,
+        micro_batch=4,
+        vpp=1,
+        recompute="full",
+        sequence_parallel=False,
+        zero=0,
+    )
     outcome = make_plan(spec, ir, req, "a100-80gb", "dgx-a100")
     lay = outcome.plan.layout
     assert (lay.micro_batch, lay.num_microbatches, lay.recompute, lay.zero) == (4, 4, "full", 0)
@@ -70,8 +82,18 @@ def test_fully_pinned_layout_is_evaluated_exactly(small) -> None:
 
 
 def test_pinned_layout_that_does_not_fit_names_the_stage(gpt3) -> None:
-    req = PlanRequest(num_gpus=32, global_batch=64, tp=8, pp=4, dp=1, micro_batch=1, vpp=1, recompute="none",
-                      sequence_parallel=False, zero=0)
+    req = PlanRequest(
+        num_gpus=32,
+        global_batch=64,
+        tp=8,
+        pp=4,
+        dp=1,
+        micro_batch=1,
+        vpp=1,
+        recompute="none",
+        sequence_parallel=False,
+        zero=0,
+    )
     with pytest.raises(Infeasible, match=r"stage \d+ needs .* GiB .*over by"):
         make_plan(load_model_spec("gpt3-175b"), gpt3, req)
 
@@ -97,10 +119,24 @@ def test_indivisible_batch_and_partial_nodes_are_rejected_with_a_fix(small) -> N
 
 
 def test_milp_gives_the_heavy_last_stage_fewer_blocks() -> None:
-    base = StageProblem(num_blocks=32, pp=4, vpp=1, block_time_s=0.01, recompute_time_s=0.003, pre_time_s=0.0,
-                        post_time_s=0.06, block_static_bytes=1e9, pre_static_bytes=0, post_static_bytes=0,
-                        block_act_bytes=1e8, block_act_recompute_bytes=1e7, pre_act_bytes=0, post_act_bytes=0,
-                        inflight=(4, 3, 2, 1), capacity_bytes=70e9)
+    base = StageProblem(
+        num_blocks=32,
+        pp=4,
+        vpp=1,
+        block_time_s=0.01,
+        recompute_time_s=0.003,
+        pre_time_s=0.0,
+        post_time_s=0.06,
+        block_static_bytes=1e9,
+        pre_static_bytes=0,
+        post_static_bytes=0,
+        block_act_bytes=1e8,
+        block_act_recompute_bytes=1e7,
+        pre_act_bytes=0,
+        post_act_bytes=0,
+        inflight=(4, 3, 2, 1),
+        capacity_bytes=70e9,
+    )
     sol = solve_stages(base)
     assert sol is not None and sum(sol.blocks_per_stage) == 32
     assert sol.blocks_per_stage[-1] < min(sol.blocks_per_stage[:-1])
@@ -114,10 +150,25 @@ def test_milp_gives_the_heavy_last_stage_fewer_blocks() -> None:
 
 
 def test_milp_balances_chunks_under_interleaving() -> None:
-    p = StageProblem(num_blocks=48, pp=4, vpp=3, block_time_s=0.01, recompute_time_s=0.0, pre_time_s=0.0,
-                     post_time_s=0.0, block_static_bytes=1e8, pre_static_bytes=0, post_static_bytes=0,
-                     block_act_bytes=1e7, block_act_recompute_bytes=1e7, pre_act_bytes=0, post_act_bytes=0,
-                     inflight=tuple([6.0] * 12), capacity_bytes=70e9, allow_recompute=False)
+    p = StageProblem(
+        num_blocks=48,
+        pp=4,
+        vpp=3,
+        block_time_s=0.01,
+        recompute_time_s=0.0,
+        pre_time_s=0.0,
+        post_time_s=0.0,
+        block_static_bytes=1e8,
+        pre_static_bytes=0,
+        post_static_bytes=0,
+        block_act_bytes=1e7,
+        block_act_recompute_bytes=1e7,
+        pre_act_bytes=0,
+        post_act_bytes=0,
+        inflight=tuple([6.0] * 12),
+        capacity_bytes=70e9,
+        allow_recompute=False,
+    )
     sol = solve_stages(p)
     assert sol is not None and set(sol.blocks_per_stage) == {4}
 
@@ -138,7 +189,14 @@ def test_cli_json_is_the_plan_and_explain_says_why(capsys) -> None:
     plan = plan_from_dict(json.loads(capsys.readouterr().out))
     assert plan.layout.world_size == 32 and plan.predicted is not None
     assert plan.predicted.mfu > 0 and set(plan.predicted.breakdown) == {
-        "compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "recompute_s", "optimizer_s"}
+        "compute_s",
+        "tp_comm_s",
+        "pp_comm_s",
+        "dp_comm_s",
+        "bubble_s",
+        "recompute_s",
+        "optimizer_s",
+    }
     assert main(["megatron-1.7b", "--gpus", "32", "--explain", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "why these values" in out and "tp=" in out and "alternatives" in out

@@ -1,5 +1,6 @@
 """Review of the layout search: uneven stages for feasibility, Infeasible hints, pins that cannot take effect,
 interleaved chunk balance in the stage MILP, zero-recompute normalisation, and --explain's comparisons."""
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,16 @@ from dataclasses import replace
 import pytest
 
 from mlm.cli.plan import main
-from mlm.planner.search.plan_document import stage_layers
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
+from mlm.planner.cost.hardware import resolve
 from mlm.planner.cost.step_time import summarize
 from mlm.planner.errors import Infeasible
 from mlm.planner.layout import Layout
-from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.plan import plan_from_dict
-from mlm.planner.search.make_plan import make_plan
-from mlm.planner.cost.hardware import resolve
 from mlm.planner.search.layouts import PlanRequest, search
+from mlm.planner.search.make_plan import make_plan
+from mlm.planner.search.plan_document import stage_layers
 
 A100_40 = resolve("a100-40gb", "dgx-a100")
 A100_80 = resolve("a100-80gb", "dgx-a100")
@@ -77,11 +78,14 @@ def test_hint_keeps_the_dp_pin_and_never_names_the_requested_count() -> None:
     assert best.layout.dp == 64 and best.layout.zero == 0
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["gpt2", "--gpus", "8", "--pp", "1", "--vpp", "2"], "--vpp 2 needs pipeline parallelism"),
-    (["gpt2", "--gpus", "8", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
-    (["gpt2", "--gpus", "1", "--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["gpt2", "--gpus", "8", "--pp", "1", "--vpp", "2"], "--vpp 2 needs pipeline parallelism"),
+        (["gpt2", "--gpus", "8", "--tp", "1", "--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
+        (["gpt2", "--gpus", "1", "--sequence-parallel"], "--sequence-parallel needs tensor parallelism"),
+    ],
+)
 def test_pins_that_cannot_take_effect_are_named(argv, flag, capsys) -> None:
     """These used to say "no runnable layout for 8 GPUs with the pinned choices; it fits on 8 GPUs"."""
     assert main(argv) == 2
@@ -139,5 +143,6 @@ def test_explain_compares_all_else_equal(gpt2) -> None:
     assert "all else equal" in ex["recompute"] and "recompute=full is +" in ex["recompute"]
     assert "all else equal" in ex["zero"] and "zero=3" in ex["zero"]
     assert "all else equal" in ex["micro_batch"]
-    assert ex["sequence_parallel"].endswith("needs tp > 1") if lay.tp == 1 else "all else equal" in ex[
-        "sequence_parallel"]
+    assert (
+        ex["sequence_parallel"].endswith("needs tp > 1") if lay.tp == 1 else "all else equal" in ex["sequence_parallel"]
+    )

@@ -1,15 +1,16 @@
 """The tensor-parallel ILP rediscovers Megatron's pattern from the graph and solves unusual blocks optimally."""
+
 from __future__ import annotations
 
 import time
 
 import pulp
 import pytest
-
 from conftest import MODELS
+
+from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.search.tp_sharding import TPCost, _classify_nodes, plan_tensor_parallel
 
 TP_MODELS = str(MODELS / "tp_models.py")
@@ -33,27 +34,28 @@ def _tp_models(entry: str, **args):
 def _block_styles(ir, result) -> dict[str, str]:
     """Styles of the first block, keyed by the path inside the block ('attn.c_attn')."""
     b = ir.blocks[0].name
-    return {f[len(b) + 1:]: s for f, s in result.styles.items() if f.startswith(b + ".")}
+    return {f[len(b) + 1 :]: s for f, s in result.styles.items() if f.startswith(b + ".")}
 
 
 def _assert_every_block_agrees(ir, result) -> None:
     first = _block_styles(ir, result)
     for block in ir.blocks:
-        got = {f[len(block.name) + 1:]: s for f, s in result.styles.items() if f.startswith(block.name + ".")}
+        got = {f[len(block.name) + 1 :]: s for f, s in result.styles.items() if f.startswith(block.name + ".")}
         assert got == first, block.name
         assert len(result.collectives[block.name]) == len(result.collectives[ir.blocks[0].name])
 
 
-MEGATRON_GPT2 = {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
-                 "mlp.c_proj": "rowwise"}
+MEGATRON_GPT2 = {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
 
 
 def test_gpt2_rediscovers_megatron(gpt2) -> None:
     r = plan_tensor_parallel(gpt2, 4)
     assert _block_styles(gpt2, r) == MEGATRON_GPT2
     colls = r.block_collectives(gpt2)
-    assert [(c.kind, c.module) for c in colls] == [("all-reduce", "transformer.h.0.attn.c_proj"),
-                                                   ("all-reduce", "transformer.h.0.mlp.c_proj")]
+    assert [(c.kind, c.module) for c in colls] == [
+        ("all-reduce", "transformer.h.0.attn.c_proj"),
+        ("all-reduce", "transformer.h.0.mlp.c_proj"),
+    ]
     assert r.comm_bytes_per_block(gpt2) == 2 * 1024 * 768 * 2  # two (s, h) bf16 tensors per sample
     _assert_every_block_agrees(gpt2, r)
     assert r.styles["transformer.h.11.mlp.c_proj"] == "rowwise"
@@ -67,9 +69,15 @@ def test_gpt2_rediscovers_megatron(gpt2) -> None:
 def test_llama3_8b_gqa_tp8(llama8b) -> None:
     r = plan_tensor_parallel(llama8b, 8)
     styles = _block_styles(llama8b, r)
-    assert styles == {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise",
-                      "attention.wo": "rowwise", "feed_forward.w1": "colwise", "feed_forward.w3": "colwise",
-                      "feed_forward.w2": "rowwise"}
+    assert styles == {
+        "attention.wq": "colwise",
+        "attention.wk": "colwise",
+        "attention.wv": "colwise",
+        "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise",
+        "feed_forward.w3": "colwise",
+        "feed_forward.w2": "rowwise",
+    }
     assert [c.kind for c in r.block_collectives(llama8b)] == ["all-reduce", "all-reduce"]
     assert r.styles["tok_embeddings"] == "vocab" and r.styles["output"] == "vocab"  # 128256 = 8 * 16032
     _assert_every_block_agrees(llama8b, r)
@@ -96,9 +104,15 @@ def test_hf_models_from_config(entry: str) -> None:
     if entry == "build_gpt2":
         assert styles == MEGATRON_GPT2
     else:
-        assert styles == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise",
-                          "self_attn.v_proj": "colwise", "self_attn.o_proj": "rowwise",
-                          "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+        assert styles == {
+            "self_attn.q_proj": "colwise",
+            "self_attn.k_proj": "colwise",
+            "self_attn.v_proj": "colwise",
+            "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise",
+            "mlp.up_proj": "colwise",
+            "mlp.down_proj": "rowwise",
+        }
     assert r.collectives_per_block(ir) == 2
     assert "vocab" in r.styles.values()  # vocabulary 128 divides by 2
 
@@ -130,9 +144,15 @@ def test_tradeoff_flips_with_size() -> None:
     small = _tp_models("build_chain", dim=128, widths=(5, 3))
     large = _tp_models("build_chain", dim=8192, widths=(5, 3))
     assert _block_styles(small, plan_tensor_parallel(small, 4, cost=cost)) == {
-        "fcs.0": "replicate", "fcs.1": "colwise", "fcs.2": "rowwise"}
+        "fcs.0": "replicate",
+        "fcs.1": "colwise",
+        "fcs.2": "rowwise",
+    }
     assert _block_styles(large, plan_tensor_parallel(large, 4, cost=cost)) == {
-        "fcs.0": "colwise", "fcs.1": "rowwise", "fcs.2": "replicate"}
+        "fcs.0": "colwise",
+        "fcs.1": "rowwise",
+        "fcs.2": "replicate",
+    }
 
 
 def test_memory_weight_prefers_replicating_fewer_parameters() -> None:
@@ -148,9 +168,14 @@ def test_block_input_readers() -> None:
     gpt2 = capture(load_model_spec(HF_MODELS, entry="build_gpt2"))
     g = gpt2.blocks[0].ops
     _, readers, _ = _classify_nodes(g)
-    residual_add = next(n for n in g if g.nodes[n]["op"] == "add" and list(g.predecessors(n))
-                        and g.nodes[next(iter(g.predecessors(n)))]["kind"] == "dropout"
-                        and len(list(g.predecessors(n))) == 1)
+    residual_add = next(
+        n
+        for n in g
+        if g.nodes[n]["op"] == "add"
+        and list(g.predecessors(n))
+        and g.nodes[next(iter(g.predecessors(n)))]["kind"] == "dropout"
+        and len(list(g.predecessors(n))) == 1
+    )
     assert {n for n in readers if g.nodes[n]["kind"] == "norm"} == {"layer_norm"}
     assert residual_add in readers
     llama = capture(load_model_spec(HF_MODELS, entry="build_llama"))
@@ -178,8 +203,12 @@ def test_tp1_replicates_everything(gpt2) -> None:
 def test_heads_not_divisible_replicate_attention(gpt2) -> None:
     """12 heads at tp=8: attention runs replicated (chosen over an error), the MLP is still sharded."""
     r = plan_tensor_parallel(gpt2, 8)
-    assert _block_styles(gpt2, r) == {"attn.c_attn": "replicate", "attn.c_proj": "replicate",
-                                      "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    assert _block_styles(gpt2, r) == {
+        "attn.c_attn": "replicate",
+        "attn.c_proj": "replicate",
+        "mlp.c_fc": "colwise",
+        "mlp.c_proj": "rowwise",
+    }
     assert r.collectives_per_block(gpt2) == 1
     assert "do not divide by tp=8" in r.explanation
 

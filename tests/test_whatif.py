@@ -1,4 +1,5 @@
 """Pure parts of mlm-whatif: time/cost arithmetic, Eq. 4, sweep parsing, the integer searches, model scaling."""
+
 from __future__ import annotations
 
 import math
@@ -8,17 +9,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlm.planner.errors import PlanError
-from mlm.planner.whatif.arithmetic import (eq4_seconds, parse_count, parse_sweep, required_tokens_per_s, resolve_price,
-                                training_time)
-from mlm.planner.whatif.scale import FAMILIES, Base, find_family, knob_range, scaled_args
+from mlm.planner.whatif.arithmetic import (
+    eq4_seconds,
+    parse_count,
+    parse_sweep,
+    required_tokens_per_s,
+    resolve_price,
+    training_time,
+)
 from mlm.planner.whatif.integer_search import largest_fitting, smallest_count_for_rate
+from mlm.planner.whatif.scale import FAMILIES, Base, find_family, knob_range, scaled_args
 
 DAY = 86400.0
 
 
 def test_training_time_counts_whole_steps_and_costs() -> None:
-    t = training_time(tokens=10_000, global_batch=4, seq_len=1000, step_time_s=2.0, num_gpus=16,
-                      usd_per_gpu_hour=3.0)
+    t = training_time(tokens=10_000, global_batch=4, seq_len=1000, step_time_s=2.0, num_gpus=16, usd_per_gpu_hour=3.0)
     assert (t.tokens_per_step, t.steps, t.seconds) == (4000, 3, 6.0)
     assert t.gpu_hours == pytest.approx(16 * 6.0 / 3600)
     assert t.cost_usd == pytest.approx(t.gpu_hours * 3.0)
@@ -74,13 +80,15 @@ def _brute(rate, required: float, node: int, max_gpus: int) -> int | None:
 
 def test_deadline_finds_a_count_that_bisection_alone_misses() -> None:
     """Throughput dips at counts whose data-parallel size does not divide the batch (here: odd node counts)."""
+
     def rate(n: int) -> float | None:
         nodes = n // 8
         return None if n < 16 else n * (100.0 if nodes % 2 == 0 else 60.0)
 
     calls: list[int] = []
-    found = smallest_count_for_rate(lambda n: (calls.append(n), rate(n))[1], required=100.0 * 8 * 37, node=8,
-                                    max_gpus=4096, global_batch=512)
+    found = smallest_count_for_rate(
+        lambda n: (calls.append(n), rate(n))[1], required=100.0 * 8 * 37, node=8, max_gpus=4096, global_batch=512
+    )
     assert found.num_gpus == _brute(rate, 100.0 * 8 * 37, 8, 4096) == 8 * 38
     assert len(calls) == len(set(calls)), "each count is evaluated once"
     assert len(calls) < 30
@@ -93,10 +101,14 @@ def test_deadline_reports_none_within_the_bound() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(per_gpu=st.lists(st.floats(50, 100), min_size=64, max_size=64), target_nodes=st.integers(1, 60),
-       first_fit=st.integers(1, 4))
-def test_deadline_matches_brute_force_when_per_gpu_rate_only_falls(per_gpu: list[float], target_nodes: int,
-                                                                   first_fit: int) -> None:
+@given(
+    per_gpu=st.lists(st.floats(50, 100), min_size=64, max_size=64),
+    target_nodes=st.integers(1, 60),
+    first_fit=st.integers(1, 4),
+)
+def test_deadline_matches_brute_force_when_per_gpu_rate_only_falls(
+    per_gpu: list[float], target_nodes: int, first_fit: int
+) -> None:
     """With per-GPU throughput non-increasing in N (the usual case), the answer is the exact minimum."""
     per = sorted(per_gpu, reverse=True)
 

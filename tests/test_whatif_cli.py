@@ -1,4 +1,5 @@
 """mlm-whatif end to end: the Eq. 4 checks, deadline, largest model, sweeps, charts and the error contract."""
+
 from __future__ import annotations
 
 import csv
@@ -36,19 +37,25 @@ def one_error_line(rc: int, err: str) -> str:
 # ---- Narayanan et al. 2021 Eq. 4 -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model, gpus, tokens, tp, paper_days", [
-    ("gpt3-175b", 1024, "300e9", 4, 34.0),  # X = 140 TFLOP/s in the paper
-    ("megatron-1t", 3072, "450e9", 8, 84.0),  # X = 163 TFLOP/s
-])
-def test_eq4_identity_at_mlms_own_rate(model: str, gpus: int, tokens: str, tp: int, paper_days: float,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "model, gpus, tokens, tp, paper_days",
+    [
+        ("gpt3-175b", 1024, "300e9", 4, 34.0),  # X = 140 TFLOP/s in the paper
+        ("megatron-1t", 3072, "450e9", 8, 84.0),  # X = 163 TFLOP/s
+    ],
+)
+def test_eq4_identity_at_mlms_own_rate(
+    model: str, gpus: int, tokens: str, tp: int, paper_days: float, capsys: pytest.CaptureFixture[str]
+) -> None:
     """mlm's days equal Eq. 4 at mlm's achieved rate in the same FLOP accounting (6·T·P/(n·X) for model FLOPs,
     the paper's 8·T·P/(n·X) for recompute-inclusive X) up to the attention and logit FLOPs that 6·P omits."""
     doc = run_json([model, "--gpus", str(gpus), "--tokens", tokens, "--tp", str(tp)], capsys)
     eq = doc["eq4"]
-    print(f"\n{model}: mlm {eq['mlm_days']:.1f} days at {eq['mlm_tflops_per_gpu']:.0f} model TFLOP/s "
-          f"({doc['answer']['layout']}); Eq. 4 at mlm's rate {eq['eq4_days_at_mlm_rate']:.1f} days; "
-          f"paper {paper_days:.0f} days")
+    print(
+        f"\n{model}: mlm {eq['mlm_days']:.1f} days at {eq['mlm_tflops_per_gpu']:.0f} model TFLOP/s "
+        f"({doc['answer']['layout']}); Eq. 4 at mlm's rate {eq['eq4_days_at_mlm_rate']:.1f} days; "
+        f"paper {paper_days:.0f} days"
+    )
     assert eq["mlm_days"] == pytest.approx(eq["eq4_days_at_mlm_rate"], rel=0.04)
     assert eq["mlm_days"] >= eq["eq4_days_at_mlm_rate"]  # mlm counts more FLOPs than 6·P, never fewer
     # the paper's 8·T·P/(n·X) at the recompute-inclusive equivalent of mlm's rate is the same number
@@ -66,9 +73,20 @@ def test_eq4_identity_at_mlms_own_rate(model: str, gpus: int, tokens: str, tp: i
 def test_time_to_train_prints_answer_plan_and_assumptions(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run([SMALL, "--gpus", "16", "--tokens", "50B", "--usd-per-gpu-hour", "2", "--memory"], capsys)
     assert rc == 0
-    for text in ("days for 50.0B tokens", "GPU-hours", "$", "plan", "predicted", "memory per GPU",
-                 "assumptions", "tokens per step: 512 sequences × 2048 tokens", "MFU", "dgx-a100",
-                 "$2/GPU-hour from --usd-per-gpu-hour", "Eq. 4"):
+    for text in (
+        "days for 50.0B tokens",
+        "GPU-hours",
+        "$",
+        "plan",
+        "predicted",
+        "memory per GPU",
+        "assumptions",
+        "tokens per step: 512 sequences × 2048 tokens",
+        "MFU",
+        "dgx-a100",
+        "$2/GPU-hour from --usd-per-gpu-hour",
+        "Eq. 4",
+    ):
         assert text in out, text
 
 
@@ -90,8 +108,10 @@ def test_deadline_gives_the_smallest_whole_node_count(capsys: pytest.CaptureFixt
     below = {int(k): v for k, v in doc["search"]["evaluated"].items() if int(k) < n}
     assert n - 8 in below, "the count one node below the answer was checked"
     assert all(v is None or v < required for v in below.values())
-    print(f"\n{SMALL}: 100B tokens in 1.5 days -> {n} GPUs ({doc['answer']['days']:.2f} days); tried "
-          f"{len(doc['search']['evaluated'])} counts")
+    print(
+        f"\n{SMALL}: 100B tokens in 1.5 days -> {n} GPUs ({doc['answer']['days']:.2f} days); tried "
+        f"{len(doc['search']['evaluated'])} counts"
+    )
 
 
 def test_deadline_beyond_the_bound_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,8 +130,9 @@ def test_max_params_is_the_largest_that_fits(capsys: pytest.CaptureFixture[str])
     assert doc["num_params"] > 1.7e9 and doc["answer"]["peak_memory_gib"] <= 80
     heads = doc["fit"]["args"]["n_head"]
     assert heads % 8 == 0 and doc["fit"]["args"]["n_embd"] == 96 * heads  # megatron-1.7b: head dim 96
-    print(f"\nlargest {SMALL}-family model on 8 A100-80GB (tp 8): {doc['num_params'] / 1e9:.1f}B "
-          f"({doc['fit']['args']})")
+    print(
+        f"\nlargest {SMALL}-family model on 8 A100-80GB (tp 8): {doc['num_params'] / 1e9:.1f}B ({doc['fit']['args']})"
+    )
 
 
 def test_max_params_layers_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,19 +181,21 @@ def test_global_batch_sweep_keeps_infeasible_points_as_rows(capsys: pytest.Captu
 # ---- bad questions ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--gpus", "8", "--tokens", "1e9", "--days", "3"], "conflicting flags --days and --gpus"),
-    (["--days", "3"], "--days needs --tokens"),
-    (["--gpus", "8", "--tokens", "1e9", "--plot", "x.png"], "--plot needs --sweep"),
-    (["--gpus", "8", "--sweep", "gpus=8,16"], "conflicting flags --sweep gpus="),
-    (["--sweep", "gpu=a100-80gb"], "needs --gpus"),
-    (["--gpus", "8"], "nothing asked"),
-    (["--gpus", "8", "--tokens", "lots"], "not a token count"),
-    (["--gpus", "8", "--max-params", "--sweep", "gpus=8"], "conflicting flags --max-params and --sweep"),
-    (["--gpus", "8", "--tokens", "1e9", "--gpu", "tpu-v9"], "unknown GPU profile"),
-])
-def test_bad_questions_are_one_line_exit_2(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
-                                           ) -> None:
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--gpus", "8", "--tokens", "1e9", "--days", "3"], "conflicting flags --days and --gpus"),
+        (["--days", "3"], "--days needs --tokens"),
+        (["--gpus", "8", "--tokens", "1e9", "--plot", "x.png"], "--plot needs --sweep"),
+        (["--gpus", "8", "--sweep", "gpus=8,16"], "conflicting flags --sweep gpus="),
+        (["--sweep", "gpu=a100-80gb"], "needs --gpus"),
+        (["--gpus", "8"], "nothing asked"),
+        (["--gpus", "8", "--tokens", "lots"], "not a token count"),
+        (["--gpus", "8", "--max-params", "--sweep", "gpus=8"], "conflicting flags --max-params and --sweep"),
+        (["--gpus", "8", "--tokens", "1e9", "--gpu", "tpu-v9"], "unknown GPU profile"),
+    ],
+)
+def test_bad_questions_are_one_line_exit_2(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run([SMALL] + argv, capsys)
     assert expected in one_error_line(rc, err)
 

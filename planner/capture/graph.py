@@ -4,6 +4,7 @@ All per-sample quantities are for one sequence (micro-batch 1) of the captured s
 activations of a transformer are linear in the micro-batch, so the cost model scales them. Activation bytes are
 counted at the training precision (2 bytes per float element for bf16 mixed precision).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """Plain-data summaries of the IR for the CLI to print (no printing here)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,16 +11,18 @@ def inspect_summary(ir: ModelIR) -> dict[str, Any]:
     """Per-layer params, forward FLOPs per token and saved-activation bytes per sample, with totals."""
     rows = []
     for layer in ir.layers:
-        rows.append({
-            "name": layer.name,
-            "kind": layer.kind,
-            "params": layer.params,
-            "flops_per_token": layer.flops_forward / ir.seq_len,
-            "matmul_flops_per_token": layer.flops_matmul / ir.seq_len,
-            "attention_flops_per_token": layer.flops_attention / ir.seq_len,
-            "activation_bytes_per_sample": layer.activations.total,
-            "output_bytes_per_sample": layer.output_bytes,
-        })
+        rows.append(
+            {
+                "name": layer.name,
+                "kind": layer.kind,
+                "params": layer.params,
+                "flops_per_token": layer.flops_forward / ir.seq_len,
+                "matmul_flops_per_token": layer.flops_matmul / ir.seq_len,
+                "attention_flops_per_token": layer.flops_attention / ir.seq_len,
+                "activation_bytes_per_sample": layer.activations.total,
+                "output_bytes_per_sample": layer.output_bytes,
+            }
+        )
     return {
         "capture_method": ir.capture_method,
         "capture_seconds": round(ir.capture_seconds, 3),

@@ -3,6 +3,7 @@
 model.py convention (shared/DESIGN.md): a factory `build_model(**kwargs) -> nn.Module` (or `--entry NAME`, or a
 module-level `model`), optional `example_inputs(batch_size, seq_len)` and `loss_fn(output, batch)`.
 """
+
 from __future__ import annotations
 
 import ast
@@ -12,16 +13,17 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from mlm.planner.errors import ModelLoadError
 from mlm.planner.capture.presets.registry import PRESETS, Preset
+from mlm.planner.errors import ModelLoadError
 
 PRESET_PREFIX = "preset:"
 
@@ -52,7 +54,7 @@ class ModelSpec:
 
     @property
     def display_name(self) -> str:
-        return self.source[len(PRESET_PREFIX):] if self.source.startswith(PRESET_PREFIX) else self.path.name
+        return self.source[len(PRESET_PREFIX) :] if self.source.startswith(PRESET_PREFIX) else self.path.name
 
 
 def parse_model_args(items: list[str] | None) -> dict[str, Any]:
@@ -77,7 +79,7 @@ def file_sha256(path: Path) -> str:
 def load_model_spec(model: str, entry: str | None = None, args: dict[str, Any] | None = None) -> ModelSpec:
     """Resolve MODEL to a file, import it, and find its factory. Raises ModelLoadError with one clear line."""
     preset = None
-    name = model[len(PRESET_PREFIX):] if model.startswith(PRESET_PREFIX) else model
+    name = model[len(PRESET_PREFIX) :] if model.startswith(PRESET_PREFIX) else model
     if name in PRESETS and not Path(model).is_file():
         preset = PRESETS[name]
         path = Path(str(importlib.resources.files("mlm.planner.capture.presets").joinpath(preset.file)))
@@ -86,8 +88,9 @@ def load_model_spec(model: str, entry: str | None = None, args: dict[str, Any] |
     else:
         path = Path(model)
         if not path.suffix == ".py" and not path.exists():
-            raise ModelLoadError(f"unknown model {model!r}: not a file, and not a preset "
-                                 f"(presets: {', '.join(PRESETS)})")
+            raise ModelLoadError(
+                f"unknown model {model!r}: not a file, and not a preset (presets: {', '.join(PRESETS)})"
+            )
         if not path.is_file():
             raise ModelLoadError(f"model file {model} does not exist")
         source = str(path.resolve())
@@ -96,8 +99,15 @@ def load_model_spec(model: str, entry: str | None = None, args: dict[str, Any] |
     entry_name = entry or _find_entry(module, path)
     if not hasattr(module, entry_name):
         raise ModelLoadError(f"{path.name} has no {entry_name!r} (--entry names the model factory)")
-    return ModelSpec(source=source, path=path.resolve(), sha256=file_sha256(path), entry=entry_name,
-                     args=merged, module=module, preset=preset)
+    return ModelSpec(
+        source=source,
+        path=path.resolve(),
+        sha256=file_sha256(path),
+        entry=entry_name,
+        args=merged,
+        module=module,
+        preset=preset,
+    )
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -123,8 +133,10 @@ def _find_entry(module: ModuleType, path: Path) -> str:
     for name in ("build_model", "model"):
         if hasattr(module, name):
             return name
-    raise ModelLoadError(f"{path.name} defines no model factory: add build_model(**kwargs) returning an "
-                         f"nn.Module, a module-level `model`, or pass --entry NAME")
+    raise ModelLoadError(
+        f"{path.name} defines no model factory: add build_model(**kwargs) returning an "
+        f"nn.Module, a module-level `model`, or pass --entry NAME"
+    )
 
 
 def _user_frame(e: BaseException, path: Path) -> str:

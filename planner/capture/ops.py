@@ -4,9 +4,10 @@ Works on both graphs the capture produces: torch.export's aten ops (aten.linear.
 torch-level calls (F.linear, operator.add, Tensor.view): both are looked up by the op's base name. For each op we
 derive forward FLOPs, the bytes a memory-bound kernel moves, and which inputs autograd saves for backward (the
 activation-memory model). The saved-tensor rules follow the derivative formulas in PyTorch's derivatives.yaml:
-a matmul saves both operands, a product the other factor, softmax its output, GELU/SiLU their input, layer_norm its input (plus per-row
-statistics), dropout its mask (1 byte per element), add and views nothing.
+a matmul saves both operands, a product the other factor, softmax its output, GELU/SiLU their input, layer_norm
+its input (plus per-row statistics), dropout its mask (1 byte per element), add and views nothing.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,27 +18,121 @@ from typing import Any
 import torch
 import torch.fx
 
-VIEW_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "split", "split_with_sizes", "chunk",
-    "getitem", "unsqueeze", "squeeze", "flatten", "unflatten", "slice", "select", "narrow", "alias", "detach",
-    "contiguous", "clone", "to", "_to_copy", "type_as", "float", "half", "bfloat16", "type", "size", "dim",
-    "unbind", "view_as", "expand_as", "movedim", "_assert_tensor_metadata", "lift_fresh_copy", "dropout_noop",
-    "cat", "stack", "repeat_interleave", "repeat", "index_select", "zeros_like", "ones_like", "full_like",
-})
-CREATION_OPS = frozenset({"arange", "ones", "zeros", "full", "empty", "tril", "triu", "rand", "randn", "scalar_tensor",
-                          "bitwise_not", "logical_not", "eq", "ne", "lt", "gt", "le", "ge"})
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "getitem",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "slice",
+        "select",
+        "narrow",
+        "alias",
+        "detach",
+        "contiguous",
+        "clone",
+        "to",
+        "_to_copy",
+        "type_as",
+        "float",
+        "half",
+        "bfloat16",
+        "type",
+        "size",
+        "dim",
+        "unbind",
+        "view_as",
+        "expand_as",
+        "movedim",
+        "_assert_tensor_metadata",
+        "lift_fresh_copy",
+        "dropout_noop",
+        "cat",
+        "stack",
+        "repeat_interleave",
+        "repeat",
+        "index_select",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+    }
+)
+CREATION_OPS = frozenset(
+    {
+        "arange",
+        "ones",
+        "zeros",
+        "full",
+        "empty",
+        "tril",
+        "triu",
+        "rand",
+        "randn",
+        "scalar_tensor",
+        "bitwise_not",
+        "logical_not",
+        "eq",
+        "ne",
+        "lt",
+        "gt",
+        "le",
+        "ge",
+    }
+)
 NORM_OPS = frozenset({"layer_norm", "native_layer_norm", "rms_norm", "group_norm", "batch_norm"})
 SOFTMAX_OPS = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"})
-SAVES_INPUT = frozenset({"gelu", "silu", "relu", "pow", "sin", "cos", "log", "abs", "square", "var",
-                         "std", "leaky_relu", "elu", "softplus", "erf"})
+SAVES_INPUT = frozenset(
+    {
+        "gelu",
+        "silu",
+        "relu",
+        "pow",
+        "sin",
+        "cos",
+        "log",
+        "abs",
+        "square",
+        "var",
+        "std",
+        "leaky_relu",
+        "elu",
+        "softplus",
+        "erf",
+    }
+)
 SAVES_OUTPUT = frozenset({"tanh", "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal"})
 SAVES_BOTH = frozenset({"mul", "div", "maximum", "minimum", "outer"})  # each operand's grad needs the other
 SAVES_MASK = frozenset({"masked_fill", "where"})  # only the boolean condition is needed
-LOSS_OPS = frozenset({"cross_entropy_loss", "cross_entropy", "nll_loss", "nll_loss_forward", "mse_loss",
-                      "binary_cross_entropy_with_logits"})
-ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                           "_scaled_dot_product_cudnn_attention"})
+LOSS_OPS = frozenset(
+    {
+        "cross_entropy_loss",
+        "cross_entropy",
+        "nll_loss",
+        "nll_loss_forward",
+        "mse_loss",
+        "binary_cross_entropy_with_logits",
+    }
+)
+ATTENTION_OPS = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    }
+)
 MATMUL_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum"})
 
 
@@ -54,8 +149,16 @@ def op_name(node: torch.fx.Node) -> str:
     if packet is not None:
         return packet.__name__
     name = getattr(target, "__name__", str(target))
-    return {"add": "add", "iadd": "add", "sub": "sub", "mul": "mul", "truediv": "div", "floordiv": "div",
-            "matmul": "matmul", "neg": "neg"}.get(name, name)
+    return {
+        "add": "add",
+        "iadd": "add",
+        "sub": "sub",
+        "mul": "mul",
+        "truediv": "div",
+        "floordiv": "div",
+        "matmul": "matmul",
+        "neg": "neg",
+    }.get(name, name)
 
 
 def val(node: Any) -> torch.Tensor | None:

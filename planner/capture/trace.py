@@ -8,6 +8,7 @@ captured. symbolic_trace is tried first as the fast path; real model code (shape
 usually needs torch.export's non-strict mode, which is the fallback. Nothing is decomposed: attention stays one
 scaled_dot_product_attention op rather than a materialised seq x seq score matrix.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,11 +23,11 @@ import torch
 import torch.fx
 from torch import nn
 
-from mlm.planner.errors import ModelLoadError, TraceError
 from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
 from mlm.planner.capture.loader import ModelSpec, instantiate
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
-from mlm.planner.capture.training_step import TrainingModule, default_batch, first_embedding_vocab
+from mlm.planner.capture.training_step import TrainingModule, default_batch
+from mlm.planner.errors import ModelLoadError, TraceError
 
 ROOT = "model"  # the user model's path inside TrainingModule
 LOSS_LAYER = "loss"
@@ -65,9 +66,18 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
         layers = replicate_blocks(layers, group)
         how += f" (one block, replicated x{len(group.children)})"
     tied = _has_tied_embedding(model)
-    return ModelIR(layers=tuple(layers), num_params=num_params, seq_len=seq, hidden_size=facts["hidden_size"],
-                   num_heads=facts["num_heads"], num_kv_heads=facts["num_kv_heads"], vocab_size=facts["vocab_size"],
-                   capture_method=how, capture_seconds=time.perf_counter() - start, tied_embeddings=tied)
+    return ModelIR(
+        layers=tuple(layers),
+        num_params=num_params,
+        seq_len=seq,
+        hidden_size=facts["hidden_size"],
+        num_heads=facts["num_heads"],
+        num_kv_heads=facts["num_kv_heads"],
+        vocab_size=facts["vocab_size"],
+        capture_method=how,
+        capture_seconds=time.perf_counter() - start,
+        tied_embeddings=tied,
+    )
 
 
 def build_meta(spec: ModelSpec) -> nn.Module:
@@ -114,16 +124,16 @@ def architecture_facts(model: nn.Module) -> dict[str, int]:
         return default
 
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    hidden = pick("n_embd", "hidden_size", "dim", "d_model", "embed_dim",
-                  default=emb.embedding_dim if emb is not None else 0)
+    hidden = pick(
+        "n_embd", "hidden_size", "dim", "d_model", "embed_dim", default=emb.embedding_dim if emb is not None else 0
+    )
     heads = pick("n_head", "num_attention_heads", "n_heads", "num_heads", default=1)
     return {
         "hidden_size": hidden,
         "num_heads": heads,
         "num_kv_heads": pick("n_kv_heads", "num_key_value_heads", "n_kv_head", default=heads),
         "vocab_size": pick("vocab_size", "n_vocab", default=emb.num_embeddings if emb is not None else 0),
-        "seq_len": pick("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len",
-                        default=2048),
+        "seq_len": pick("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len", default=2048),
     }
 
 
@@ -172,8 +182,9 @@ def _example_batch(spec: ModelSpec, model: nn.Module, seq: int) -> tuple[Any, to
         raise ModelLoadError(str(e)) from None
 
 
-def _capture_graph(spec: ModelSpec, model: nn.Module, group: BlockGroup | None, seq: int,
-                   method: str) -> tuple[list[LayerIR], str]:
+def _capture_graph(
+    spec: ModelSpec, model: nn.Module, group: BlockGroup | None, seq: int, method: str
+) -> tuple[list[LayerIR], str]:
     wrapper = TrainingModule(model, spec.loss_fn)
     batch = _example_batch(spec, model, seq)
     errors = []
@@ -189,11 +200,17 @@ def _capture_graph(spec: ModelSpec, model: nn.Module, group: BlockGroup | None, 
         with _quiet():
             program = torch.export.export(wrapper, batch, strict=False)
     except Exception as e:  # tracer errors come in many types; report the user's construct and line
-        raise TraceError(f"neither tracer could capture the model: torch.export: {type(e).__name__}: "
-                         f"{_first_line(e)}{_user_location(e, spec)}") from None
+        raise TraceError(
+            f"neither tracer could capture the model: torch.export: {type(e).__name__}: "
+            f"{_first_line(e)}{_user_location(e, spec)}"
+        ) from None
     graph = program.graph
     sig = program.graph_signature
-    names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **getattr(sig, "inputs_to_lifted_tensor_constants", {})}
+    names = {
+        **sig.inputs_to_parameters,
+        **sig.inputs_to_buffers,
+        **getattr(sig, "inputs_to_lifted_tensor_constants", {}),
+    }
     params = {n: names[n.name] for n in graph.nodes if n.op == "placeholder" and n.name in names}
     return build_layers(graph, params, model, group, seq), "torch.export (non-strict)"
 
@@ -222,11 +239,13 @@ def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tupl
     return graph, params
 
 
-def build_layers(graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model: nn.Module,
-                 group: BlockGroup | None, seq: int) -> list[LayerIR]:
+def build_layers(
+    graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model: nn.Module, group: BlockGroup | None, seq: int
+) -> list[LayerIR]:
     """Group graph nodes into layers and sum each layer's costs."""
-    calls = [n for n in graph.nodes if n.op in ("call_function", "call_method")
-             and op_name(n) != "_assert_tensor_metadata"]
+    calls = [
+        n for n in graph.nodes if n.op in ("call_function", "call_method") and op_name(n) != "_assert_tensor_metadata"
+    ]
     owner = assign_layers(calls, group)
     is_param = set(params)
     costs = {n: classify(n, is_param) for n in calls}
@@ -237,8 +256,20 @@ def build_layers(graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model:
     layers = []
     for name in order:
         nodes = [n for n in calls if owner[n] == name]
-        layers.append(_layer_ir(name, nodes, owner, costs, tags, params, is_param | (set(calls) - dependent),
-                                layer_params.get(name, 0), group, seq))
+        layers.append(
+            _layer_ir(
+                name,
+                nodes,
+                owner,
+                costs,
+                tags,
+                params,
+                is_param | (set(calls) - dependent),
+                layer_params.get(name, 0),
+                group,
+                seq,
+            )
+        )
     return layers
 
 
@@ -291,7 +322,7 @@ def _layer_of(node: torch.fx.Node, container: str | None) -> str | None:
             continue
         if container is not None:
             if fqn.startswith(container + "."):
-                return container + "." + fqn[len(container) + 1:].split(".")[0]
+                return container + "." + fqn[len(container) + 1 :].split(".")[0]
             if container == fqn or container.startswith(fqn + "."):
                 continue
         return fqn
@@ -309,11 +340,12 @@ def _clean_path(path: str) -> str:
 def _strip_root(path: str) -> str:
     if path == ROOT:
         return ""
-    return path[len(ROOT) + 1:] if path.startswith(ROOT + ".") else path
+    return path[len(ROOT) + 1 :] if path.startswith(ROOT + ".") else path
 
 
-def region_tags(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost],
-                is_param: set[torch.fx.Node]) -> dict[torch.fx.Node, str]:
+def region_tags(
+    calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], is_param: set[torch.fx.Node]
+) -> dict[torch.fx.Node, str]:
     """'S' for tensors inside a tensor-parallel region, 'R' for the residual stream.
 
     Megatron's pattern, which the TP search rediscovers: a linear reading the residual stream is split by columns
@@ -346,9 +378,34 @@ def _base(n: torch.fx.Node) -> torch.fx.Node:
     return n
 
 
-_ALIASING = frozenset({"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "split",
-                       "split_with_sizes", "chunk", "getitem", "unsqueeze", "squeeze", "flatten", "unflatten",
-                       "slice", "select", "narrow", "alias", "detach", "unbind", "view_as", "expand_as", "movedim"})
+_ALIASING = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "transpose",
+        "t",
+        "permute",
+        "expand",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "getitem",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "slice",
+        "select",
+        "narrow",
+        "alias",
+        "detach",
+        "unbind",
+        "view_as",
+        "expand_as",
+        "movedim",
+    }
+)
 
 
 def _params_by_layer(model: nn.Module, order: list[str]) -> dict[str, int]:
@@ -368,9 +425,18 @@ def _params_by_layer(model: nn.Module, order: list[str]) -> dict[str, int]:
     return counts
 
 
-def _layer_ir(name: str, nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, str],
-              costs: dict[torch.fx.Node, OpCost], tags: dict[torch.fx.Node, str], params: dict[torch.fx.Node, str],
-              is_param: set[torch.fx.Node], num_params: int, group: BlockGroup | None, seq: int) -> LayerIR:
+def _layer_ir(
+    name: str,
+    nodes: list[torch.fx.Node],
+    owner: dict[torch.fx.Node, str],
+    costs: dict[torch.fx.Node, OpCost],
+    tags: dict[torch.fx.Node, str],
+    params: dict[torch.fx.Node, str],
+    is_param: set[torch.fx.Node],
+    num_params: int,
+    group: BlockGroup | None,
+    seq: int,
+) -> LayerIR:
     flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0}
     moved = 0.0
     saved: dict[torch.fx.Node, None] = {}
@@ -402,26 +468,43 @@ def _layer_ir(name: str, nodes: list[torch.fx.Node], owner: dict[torch.fx.Node, 
         acts[tags.get(s, "R")] += b
         if tags.get(s) == "S" and _is_score_matrix(val(s), seq):
             acts["core"] += b
-    inputs = {_base(a) for n in nodes for a in _inputs(n)
-              if a not in member and a not in is_param and val(a) is not None and a.op != "get_attr"}
+    inputs = {
+        _base(a)
+        for n in nodes
+        for a in _inputs(n)
+        if a not in member and a not in is_param and val(a) is not None and a.op != "get_attr"
+    }
     outputs = [n for n in nodes if any(owner.get(u) not in (None, name) for u in n.users)]
     kind = _layer_kind(name, group, costs, nodes)
     in_block = group is not None and name.startswith(group.fqn + ".")
     return LayerIR(
-        name=name, kind=kind, params=num_params, flops_matmul=flops["mm"], flops_attention=flops["attn"],
-        flops_elementwise=flops["elt"], bytes_moved=moved,
-        activations=Activations(sharded=acts["S"], replicated=acts["R"], attn_core=acts["core"],
-                                layer_input=sum(nbytes(val(a)) for a in inputs)),
-        output_bytes=sum(nbytes(val(o)) for o in outputs), linears=tuple(linears),
-        block_group=group.fqn if in_block else None, ops=_op_graph(nodes, costs, params, is_param))
+        name=name,
+        kind=kind,
+        params=num_params,
+        flops_matmul=flops["mm"],
+        flops_attention=flops["attn"],
+        flops_elementwise=flops["elt"],
+        bytes_moved=moved,
+        activations=Activations(
+            sharded=acts["S"],
+            replicated=acts["R"],
+            attn_core=acts["core"],
+            layer_input=sum(nbytes(val(a)) for a in inputs),
+        ),
+        output_bytes=sum(nbytes(val(o)) for o in outputs),
+        linears=tuple(linears),
+        block_group=group.fqn if in_block else None,
+        ops=_op_graph(nodes, costs, params, is_param),
+    )
 
 
 def _is_score_matrix(t: torch.Tensor | None, seq: int) -> bool:
     return t is not None and t.dim() >= 4 and t.shape[-1] == seq and t.shape[-2] == seq
 
 
-def _layer_kind(name: str, group: BlockGroup | None, costs: dict[torch.fx.Node, OpCost],
-                nodes: list[torch.fx.Node]) -> str:
+def _layer_kind(
+    name: str, group: BlockGroup | None, costs: dict[torch.fx.Node, OpCost], nodes: list[torch.fx.Node]
+) -> str:
     if group is not None and name.startswith(group.fqn + "."):
         return "block"
     if name == LOSS_LAYER:
@@ -453,8 +536,9 @@ def _linear_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -
     has_bias = op_name(n) in ("addmm",) or (op_name(n) == "linear" and len(args) > 2)
     out = val(n)
     rows = int(out.numel() // out.shape[-1]) if out is not None else 0
-    return LinearOp(fqn=module, kind="linear", in_features=int(in_f), out_features=int(out_f), has_bias=has_bias,
-                    rows=rows)
+    return LinearOp(
+        fqn=module, kind="linear", in_features=int(in_f), out_features=int(out_f), has_bias=has_bias, rows=rows
+    )
 
 
 def _embedding_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
@@ -463,8 +547,14 @@ def _embedding_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str
     assert w is not None
     out = val(n)
     rows = int(out.numel() // out.shape[-1]) if out is not None else 0
-    return LinearOp(fqn=_module_of(n) or _param_module(params[weight]), kind="embedding",
-                    in_features=int(w.shape[0]), out_features=int(w.shape[1]), has_bias=False, rows=rows)
+    return LinearOp(
+        fqn=_module_of(n) or _param_module(params[weight]),
+        kind="embedding",
+        in_features=int(w.shape[0]),
+        out_features=int(w.shape[1]),
+        has_bias=False,
+        rows=rows,
+    )
 
 
 def _module_of(n: torch.fx.Node) -> str | None:
@@ -475,8 +565,12 @@ def _module_of(n: torch.fx.Node) -> str | None:
     return _strip_root(_clean_path(str(path))) or None
 
 
-def _op_graph(nodes: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], params: dict[torch.fx.Node, str],
-              inert: set[torch.fx.Node]) -> nx.DiGraph:
+def _op_graph(
+    nodes: list[torch.fx.Node],
+    costs: dict[torch.fx.Node, OpCost],
+    params: dict[torch.fx.Node, str],
+    inert: set[torch.fx.Node],
+) -> nx.DiGraph:
     """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on.
 
     Node attributes say where data enters: `reads_input` when an operand is an activation from an earlier layer
@@ -488,17 +582,26 @@ def _op_graph(nodes: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost], pa
         if c.kind in ("view", "creation"):
             continue
         t = val(n)
-        g.add_node(n.name, kind=c.kind, op=op_name(n), module=_module_of(n), flops=c.flops,
-                   shape=tuple(t.shape) if t is not None else (), bytes=nbytes(t),
-                   weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
-                   reads_input=_reads_outside(n, costs, member, inert), constant=n in inert)
+        g.add_node(
+            n.name,
+            kind=c.kind,
+            op=op_name(n),
+            module=_module_of(n),
+            flops=c.flops,
+            shape=tuple(t.shape) if t is not None else (),
+            bytes=nbytes(t),
+            weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
+            reads_input=_reads_outside(n, costs, member, inert),
+            constant=n in inert,
+        )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)
     return g
 
 
-def _reads_outside(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node],
-                   inert: set[torch.fx.Node]) -> bool:
+def _reads_outside(
+    n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node], inert: set[torch.fx.Node]
+) -> bool:
     """Whether n reads, directly or through the layer's own views, an activation produced before the layer."""
     stack = list(_inputs(n))
     seen: set[torch.fx.Node] = set()
@@ -515,8 +618,9 @@ def _reads_outside(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member:
     return False
 
 
-def _compute_sources(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node]
-                     ) -> Iterator[torch.fx.Node]:
+def _compute_sources(
+    n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], member: set[torch.fx.Node]
+) -> Iterator[torch.fx.Node]:
     """The nearest compute ops feeding n, looking through views."""
     stack = list(_inputs(n))
     seen: set[torch.fx.Node] = set()
@@ -539,10 +643,11 @@ def replicate_blocks(layers: list[LayerIR], group: BlockGroup) -> list[LayerIR]:
     copies = []
     for child in group.children:
         name = f"{group.fqn}.{child}"
-        linears = tuple(replace(op, fqn=name + op.fqn[len(first):]) if op.fqn.startswith(first) else op
-                        for op in block.linears)
+        linears = tuple(
+            replace(op, fqn=name + op.fqn[len(first) :]) if op.fqn.startswith(first) else op for op in block.linears
+        )
         copies.append(replace(block, name=name, linears=linears))
-    return layers[:idx] + copies + layers[idx + 1:]
+    return layers[:idx] + copies + layers[idx + 1 :]
 
 
 def _first_line(e: BaseException) -> str:

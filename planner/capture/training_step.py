@@ -7,10 +7,12 @@ returns a loss, that loss; otherwise next-token cross-entropy on the logits, fou
 element of a tuple, or a dict / HF-style output object's `logits` (HF's `labels` are not passed: HF shifts them
 itself, and our targets are already shifted).
 """
+
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +28,13 @@ def first_embedding_vocab(model: nn.Module) -> int:
     raise ValueError("model has no nn.Embedding to take the vocabulary from; define example_inputs()")
 
 
-def default_batch(model: nn.Module, batch_size: int, seq_len: int, device: str | torch.device,
-                  generator: torch.Generator | None = None) -> Batch:
+def default_batch(
+    model: nn.Module,
+    batch_size: int,
+    seq_len: int,
+    device: str | torch.device,
+    generator: torch.Generator | None = None,
+) -> Batch:
     """Random token ids (inputs) and their targets, shape (batch, seq), from the first embedding's vocabulary."""
     vocab = first_embedding_vocab(model)
     if str(device) == "meta":

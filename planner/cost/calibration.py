@@ -12,6 +12,7 @@ scale folded in, and one softmax pass standing for Megatron-LM's fused scale-mas
 is applied inside that kernel, so it moves no extra bytes). Flash attention did not exist in 2021; costing the
 preset's SDPA block instead would credit the paper with kernels it did not have.
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,12 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mlm.planner.cost.step_time import CostOptions, Evaluation, evaluate, summarize
-from mlm.planner.cost.inputs import ModelCostInputs
-from mlm.planner.layout import Layout
 from mlm.planner.capture.presets.gpt import GPT, CausalSelfAttention, GPTConfig
 from mlm.planner.capture.presets.registry import PRESETS
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.cost.inputs import ModelCostInputs
+from mlm.planner.cost.step_time import CostOptions, Evaluation, evaluate, summarize
+from mlm.planner.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
 SEQ_LEN = 2048
@@ -74,16 +75,33 @@ def candidate_layouts(layers: int, tp: int, pp: int, gpus: int, batch: int) -> l
         m = batch // (dp * mb)
         if pp > 1 and m < pp:
             continue
-        vpps = [1] + ([v for v in range(2, layers // pp + 1) if (layers // pp) % v == 0 and m % pp == 0]
-                      if pp > 1 else [])
+        vpps = [1] + (
+            [v for v in range(2, layers // pp + 1) if (layers // pp) % v == 0 and m % pp == 0] if pp > 1 else []
+        )
         for vpp in vpps:
-            out.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m, vpp=vpp,
-                              sequence_parallel=False, recompute="full", zero=0))
+            out.append(
+                Layout(
+                    tp=tp,
+                    pp=pp,
+                    dp=dp,
+                    micro_batch=mb,
+                    num_microbatches=m,
+                    vpp=vpp,
+                    sequence_parallel=False,
+                    recompute="full",
+                    zero=0,
+                )
+            )
     return out
 
 
-def calibrate_row(inputs: ModelCostInputs, row: dict[str, str], gpu: GPUProfile, cluster: ClusterProfile,
-                  options: CostOptions = CostOptions()) -> CalibrationRow:
+def calibrate_row(
+    inputs: ModelCostInputs,
+    row: dict[str, str],
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    options: CostOptions = CostOptions(),
+) -> CalibrationRow:
     """Best fitting layout for one row and its Eq. 3 TFLOP/s per GPU."""
     layers, hidden = int(row["layers"]), int(row["hidden"])
     tp, pp, gpus, batch = int(row["tp"]), int(row["pp"]), int(row["gpus"]), int(row["global_batch"])
@@ -122,8 +140,8 @@ def build_megatron_2021(**kwargs: object) -> GPT:
 
 def capture_row(row: dict[str, str]) -> ModelCostInputs:
     """Summarised IR of a row's model, as Megatron-LM 2021 ran it."""
-    from mlm.planner.capture.trace import capture
     from mlm.planner.capture.loader import load_model_spec
+    from mlm.planner.capture.trace import capture
 
     spec = load_model_spec(__file__, entry="build_megatron_2021", args=PRESETS[preset_name(row)].args)
     return summarize(capture(spec))
@@ -135,7 +153,8 @@ def preset_name(row: dict[str, str]) -> str:
     return "megatron-1t" if b >= 1000 else f"megatron-{b:g}b"
 
 
-def calibrate(path: Path, gpu: GPUProfile, cluster: ClusterProfile, options: CostOptions = CostOptions()
-              ) -> list[CalibrationRow]:
+def calibrate(
+    path: Path, gpu: GPUProfile, cluster: ClusterProfile, options: CostOptions = CostOptions()
+) -> list[CalibrationRow]:
     """All rows of the table (captures each model once: about a second per row)."""
     return [calibrate_row(capture_row(row), row, gpu, cluster, options) for row in read_table(path)]

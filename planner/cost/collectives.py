@@ -10,6 +10,7 @@ members covers size·stride consecutive ranks. If those fit in one node, it runs
 the network, where every GPU has its own NIC (rail-optimised DGX nodes): NCCL runs one ring per NIC, so a group
 with k members per node drives k NICs, and its ring bandwidth is min(NVLink, k · per-GPU network bandwidth).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ class Link:
 
 def group_link(cluster: ClusterProfile, size: int, stride: int) -> Link:
     """The link a group of `size` ranks, `stride` apart in rank order, communicates over."""
-    intra = Link(cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency,
-                 cluster.intra_node_latency_us * 1e-6, False)
+    intra = Link(
+        cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency,
+        cluster.intra_node_latency_us * 1e-6,
+        False,
+    )
     if size * stride <= cluster.gpus_per_node:
         return intra
     per_node = max(1, min(size, cluster.gpus_per_node // max(stride, 1)))
@@ -40,10 +44,16 @@ def group_link(cluster: ClusterProfile, size: int, stride: int) -> Link:
 def p2p_link(cluster: ClusterProfile, stride: int) -> Link:
     """Link between neighbouring pipeline ranks `stride` ranks apart (one NIC per GPU when across nodes)."""
     if stride < cluster.gpus_per_node:
-        return Link(cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency,
-                    cluster.intra_node_latency_us * 1e-6, False)
-    return Link(cluster.inter_node_gbps * 1e9 * cluster.inter_node_collective_efficiency,
-                cluster.inter_node_latency_us * 1e-6, True)
+        return Link(
+            cluster.intra_node_gbps * 1e9 * cluster.intra_node_collective_efficiency,
+            cluster.intra_node_latency_us * 1e-6,
+            False,
+        )
+    return Link(
+        cluster.inter_node_gbps * 1e9 * cluster.inter_node_collective_efficiency,
+        cluster.inter_node_latency_us * 1e-6,
+        True,
+    )
 
 
 def all_reduce_s(nbytes: float, n: int, link: Link, calls: int = 1) -> float:

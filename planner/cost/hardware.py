@@ -12,15 +12,17 @@ Conventions the curves use (the TOML files say the same):
 A reference to a profile is a preset name ("h100-sxm") or a path to a .toml file (anything ending in .toml or
 containing a path separator). A path inside a file (a GPU's default_cluster, a cluster's gpu) is relative to that file.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
+
+import tomllib
 
 from mlm.planner.errors import PlanError
 

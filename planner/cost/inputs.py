@@ -10,13 +10,14 @@ stream is column-parallel, one reading a sharded tensor is row-parallel; the emb
 vocabulary-parallel; norms, residual adds and position embeddings are replicated (sharded only by sequence
 parallelism). All quantities are per sample (micro-batch 1) of `seq_len` tokens, bytes in the training precision.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-from mlm.planner.errors import PlanError
 from mlm.planner.capture.graph import LayerIR, ModelIR
+from mlm.planner.errors import PlanError
 
 Split = Literal["col", "row", "vocab", "replicate"]
 BF16_BYTES = 2
@@ -101,16 +102,30 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
     costs = [_layer_cost(b, ir) for b in blocks]
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir) for x in ir.layers[:first]])
-    post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1:] if x.kind != "block"])
-    head = [op.in_features * op.out_features for layer in ir.layers[last + 1:] if layer.kind == "head"
-            for op in layer.linears if op.kind == "linear" and op.out_features == ir.vocab_size]
-    owned_after = sum(x.params for x in ir.layers[last + 1:])
+    post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1 :] if x.kind != "block"])
+    head = [
+        op.in_features * op.out_features
+        for layer in ir.layers[last + 1 :]
+        if layer.kind == "head"
+        for op in layer.linears
+        if op.kind == "linear" and op.out_features == ir.vocab_size
+    ]
+    owned_after = sum(x.params for x in ir.layers[last + 1 :])
     # a tied head's weight is counted at the embedding; with pp > 1 the last stage holds a copy (Megatron)
     tied = float(head[0]) if ir.tied_embeddings and head and owned_after < head[0] else 0.0
-    return ModelCostInputs(block=block, block_names=tuple(b.name for b in blocks), pre=pre, post=post,
-                           tied_params=tied, seq_len=ir.seq_len, hidden_size=ir.hidden_size,
-                           num_heads=ir.num_heads, num_kv_heads=ir.num_kv_heads, vocab_size=ir.vocab_size,
-                           num_params=ir.num_params)
+    return ModelCostInputs(
+        block=block,
+        block_names=tuple(b.name for b in blocks),
+        pre=pre,
+        post=post,
+        tied_params=tied,
+        seq_len=ir.seq_len,
+        hidden_size=ir.hidden_size,
+        num_heads=ir.num_heads,
+        num_kv_heads=ir.num_kv_heads,
+        vocab_size=ir.vocab_size,
+        num_params=ir.num_params,
+    )
 
 
 # ---- one layer ---------------------------------------------------------------------------------------------------
@@ -127,15 +142,27 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
     replicated = a.replicated if kind != "loss" else 0.0
     return LayerCost(
-        names=(layer.name,), gemms=gemms, attn_flops=layer.flops_attention,
-        attn_materialized=a.attn_core > 0, head_dim=ir.hidden_size // max(ir.num_heads, 1),
+        names=(layer.name,),
+        gemms=gemms,
+        attn_flops=layer.flops_attention,
+        attn_materialized=a.attn_core > 0,
+        head_dim=ir.hidden_size // max(ir.num_heads, 1),
         mem_sharded=layer.bytes_moved * (1.0 if vocab else mem_s),
-        mem_replicated=layer.bytes_moved * (0.0 if vocab else 1.0 - mem_s), core_bytes=core,
-        act_sharded=sharded, act_replicated=replicated, act_core=a.attn_core, act_input=a.layer_input,
-        output_bytes=layer.output_bytes, params_sharded=float(min(sharded_params, layer.params)),
+        mem_replicated=layer.bytes_moved * (0.0 if vocab else 1.0 - mem_s),
+        core_bytes=core,
+        act_sharded=sharded,
+        act_replicated=replicated,
+        act_core=a.attn_core,
+        act_input=a.layer_input,
+        output_bytes=layer.output_bytes,
+        params_sharded=float(min(sharded_params, layer.params)),
         params_replicated=float(layer.params - min(sharded_params, layer.params)),
-        tp_fwd_count=fwd[0], tp_fwd_bytes=fwd[1], tp_bwd_count=bwd[0], tp_bwd_bytes=bwd[1],
-        model_flops=layer.flops_matmul + layer.flops_attention)
+        tp_fwd_count=fwd[0],
+        tp_fwd_bytes=fwd[1],
+        tp_bwd_count=bwd[0],
+        tp_bwd_bytes=bwd[1],
+        model_flops=layer.flops_matmul + layer.flops_attention,
+    )
 
 
 def _linears(layer: LayerIR, ir: ModelIR) -> tuple[tuple[Gemm, ...], float, tuple[int, float], tuple[int, float]]:
@@ -233,10 +260,17 @@ def _merge(costs: list[LayerCost]) -> LayerCost:
     out = LayerCost(names=())
     for c in costs:
         out = replace(
-            out, names=out.names + c.names, gemms=out.gemms + c.gemms,
-            attn_materialized=out.attn_materialized or c.attn_materialized, head_dim=max(out.head_dim, c.head_dim),
-            **{f.name: getattr(out, f.name) + getattr(c, f.name) for f in fields(c)
-               if f.name not in ("names", "gemms", "attn_materialized", "head_dim")})
+            out,
+            names=out.names + c.names,
+            gemms=out.gemms + c.gemms,
+            attn_materialized=out.attn_materialized or c.attn_materialized,
+            head_dim=max(out.head_dim, c.head_dim),
+            **{
+                f.name: getattr(out, f.name) + getattr(c, f.name)
+                for f in fields(c)
+                if f.name not in ("names", "gemms", "attn_materialized", "head_dim")
+            },
+        )
     return out
 
 
@@ -244,7 +278,11 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
     """Average of differing blocks (so stage placement can still treat blocks as interchangeable)."""
     total = _merge(costs)
     n = len(costs)
-    numeric = {f.name: getattr(total, f.name) / n for f in fields(total)
-               if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "tp_fwd_count", "tp_bwd_count")}
-    return replace(costs[0], **numeric, tp_fwd_count=round(total.tp_fwd_count / n),
-                   tp_bwd_count=round(total.tp_bwd_count / n))
+    numeric = {
+        f.name: getattr(total, f.name) / n
+        for f in fields(total)
+        if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "tp_fwd_count", "tp_bwd_count")
+    }
+    return replace(
+        costs[0], **numeric, tp_fwd_count=round(total.tp_fwd_count / n), tp_bwd_count=round(total.tp_bwd_count / n)
+    )

@@ -11,6 +11,7 @@ Activations per block and in-flight micro-batch (Korthikanti et al. 2022, Table 
   full:      the block input only (÷tp with SP)                               = 2sbh (÷t with SP)
 Full recompute also needs one block's full activations while it is recomputed: `working_bytes`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,14 +42,23 @@ class MemoryBreakdown:
         return self.params + self.grads + self.optimizer
 
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        return MemoryBreakdown(self.params + other.params, self.grads + other.grads,
-                               self.optimizer + other.optimizer, self.activations + other.activations,
-                               self.reserve + other.reserve)
+        return MemoryBreakdown(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.optimizer + other.optimizer,
+            self.activations + other.activations,
+            self.reserve + other.reserve,
+        )
 
     def largest(self) -> str:
         """Name of the largest term (for infeasibility messages)."""
-        terms = {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
-                 "activations": self.activations, "reserve": self.reserve}
+        terms = {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer states": self.optimizer,
+            "activations": self.activations,
+            "reserve": self.reserve,
+        }
         return max(terms, key=terms.__getitem__)
 
 

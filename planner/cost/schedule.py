@@ -3,6 +3,7 @@
 Virtual stage i (of S = pp·vpp) runs on pipeline rank i mod pp as its model chunk i // pp (Narayanan et al. 2021,
 Sec. 2.2.2). m is the number of micro-batches per step.
 """
+
 from __future__ import annotations
 
 

@@ -32,21 +32,37 @@ part) + optimizer_s, exactly.
 Calibration: only the A100 GEMM efficiency curve (profiles/gpus/a100-*.toml) was fitted, one global factor on the
 prior, against Narayanan et al. 2021 Table 1 (planner/cost/calibration.py, benchmarks/calibrate_megatron.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from mlm.planner.cost.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
 from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, summarize
+from mlm.planner.cost.memory import (
+    MemoryBreakdown,
+    activation_bytes,
+    local_params,
+    state_bytes,
+    working_bytes,
+    zero3_buffer_bytes,
+)
+from mlm.planner.cost.schedule import inflight, pipeline_time
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
-from mlm.planner.cost.memory import (MemoryBreakdown, activation_bytes, local_params, state_bytes, working_bytes,
-                                zero3_buffer_bytes)
-from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.cost.schedule import inflight, pipeline_time
 
-__all__ = ["CostOptions", "Evaluation", "StageAssignment", "StageCoefficients", "StageCost", "balanced_blocks",
-           "evaluate", "stage_coefficients", "summarize"]
+__all__ = [
+    "CostOptions",
+    "Evaluation",
+    "StageAssignment",
+    "StageCoefficients",
+    "StageCost",
+    "balanced_blocks",
+    "evaluate",
+    "stage_coefficients",
+    "summarize",
+]
 
 OPTIMIZER_TRAFFIC_BYTES = 28.0  # per parameter per Adam step, see module docstring
 GIB = float(2**30)
@@ -221,16 +237,23 @@ def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment)
     if layout.cp != 1:
         raise PlanError("context parallelism (cp > 1) is not modelled by the cost model yet")
     if len(assignment.blocks_per_stage) != stages or sum(assignment.blocks_per_stage) != inputs.num_blocks:
-        raise PlanError(f"stage assignment {assignment.blocks_per_stage} must place all {inputs.num_blocks} "
-                        f"blocks on pp·vpp = {stages} stages")
+        raise PlanError(
+            f"stage assignment {assignment.blocks_per_stage} must place all {inputs.num_blocks} "
+            f"blocks on pp·vpp = {stages} stages"
+        )
     rc = assignment.recompute_blocks
-    if rc is not None and (len(rc) != stages or any(not 0 <= r <= n for r, n in
-                                                    zip(rc, assignment.blocks_per_stage))):
+    if rc is not None and (len(rc) != stages or any(not 0 <= r <= n for r, n in zip(rc, assignment.blocks_per_stage))):
         raise PlanError(f"recompute_blocks {rc} must give 0..n recomputed blocks for each of the {stages} stages")
 
 
-def evaluate(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile,
-             assignment: StageAssignment | None = None, options: CostOptions = CostOptions()) -> Evaluation:
+def evaluate(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    assignment: StageAssignment | None = None,
+    options: CostOptions = CostOptions(),
+) -> Evaluation:
     """Predict step time, its breakdown and per-GPU memory of `layout` (balanced blocks unless `assignment`)."""
     pp, vpp, tp, dp, m = layout.pp, layout.vpp, layout.tp, layout.dp, layout.num_microbatches
     num_stages = pp * vpp
@@ -268,22 +291,47 @@ def evaluate(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: 
         fwd, bwd, tpc = n * blk.forward_s, n * blk.backward_s, n * blk.tp_s
         params, acts = n * p_block, (n - r) * a_none + r * a_rc
         if first:
-            fwd, bwd, tpc, params, acts = (fwd + pre.forward_s, bwd + pre.backward_s, tpc + pre.tp_s,
-                                           params + p_pre, acts + a_pre)
+            fwd, bwd, tpc, params, acts = (
+                fwd + pre.forward_s,
+                bwd + pre.backward_s,
+                tpc + pre.tp_s,
+                params + p_pre,
+                acts + a_pre,
+            )
         if last:
-            fwd, bwd, tpc, params, acts = (fwd + post.forward_s, bwd + post.backward_s, tpc + post.tp_s,
-                                           params + p_post, acts + a_post)
+            fwd, bwd, tpc, params, acts = (
+                fwd + post.forward_s,
+                bwd + post.backward_s,
+                tpc + post.tp_s,
+                params + p_post,
+                acts + a_post,
+            )
         rc = r * blk.recompute_s
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
-        memory = MemoryBreakdown(params * per.params + (buffer if rank_wide else 0.0), params * per.grads,
-                                 params * per.optimizer,
-                                 flight[i] * acts + (working if rank_wide and recomputing[i] else 0.0),
-                                 reserve if rank_wide else 0.0)
-        layers = (inputs.pre.names if first else ()) + names[pos: pos + n] + (inputs.post.names if last else ())
+        memory = MemoryBreakdown(
+            params * per.params + (buffer if rank_wide else 0.0),
+            params * per.grads,
+            params * per.optimizer,
+            flight[i] * acts + (working if rank_wide and recomputing[i] else 0.0),
+            reserve if rank_wide else 0.0,
+        )
+        layers = (inputs.pre.names if first else ()) + names[pos : pos + n] + (inputs.post.names if last else ())
         pos += n
-        stage = StageCost(index=i, rank=i % pp, chunk=i // pp, layers=layers, num_blocks=n, recompute_blocks=r,
-                          forward_s=fwd, backward_s=bwd, recompute_s=rc, tp_comm_s=tpc, pp_comm_s=p2p,
-                          inflight=flight[i], memory=memory)
+        stage = StageCost(
+            index=i,
+            rank=i % pp,
+            chunk=i // pp,
+            layers=layers,
+            num_blocks=n,
+            recompute_blocks=r,
+            forward_s=fwd,
+            backward_s=bwd,
+            recompute_s=rc,
+            tp_comm_s=tpc,
+            pp_comm_s=p2p,
+            inflight=flight[i],
+            memory=memory,
+        )
         stages.append(stage)
         ranks.add(i % pp, stage, params)
     return _assemble(inputs, layout, gpu, cluster, stages, ranks, options)
@@ -320,12 +368,12 @@ class _RankTotals:
         mem[4] += m.reserve
 
     def time(self, rank: int) -> float:
-        return (self.forward[rank] + self.backward[rank] + self.recompute[rank] + self.tp[rank]
-                + self.pp[rank])
+        return self.forward[rank] + self.backward[rank] + self.recompute[rank] + self.tp[rank] + self.pp[rank]
 
 
-def _dp_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals,
-             options: CostOptions) -> float:
+def _dp_time(
+    inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, options: CostOptions
+) -> float:
     """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's."""
     dp, m, pp = layout.dp, layout.num_microbatches, layout.pp
     exposed = 0.0
@@ -338,8 +386,11 @@ def _dp_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, r
                 per_mb = 2.0 * all_gather_s(grad_bytes, dp, link) + reduce_scatter_s(grad_bytes, dp, link)
                 t = m * max(0.0, per_mb - options.dp_overlap * (ranks.forward[rank] + backward))
             else:
-                comm = (all_reduce_s(grad_bytes, dp, link) if layout.zero == 0 else
-                        reduce_scatter_s(grad_bytes, dp, link) + all_gather_s(grad_bytes, dp, link))
+                comm = (
+                    all_reduce_s(grad_bytes, dp, link)
+                    if layout.zero == 0
+                    else reduce_scatter_s(grad_bytes, dp, link) + all_gather_s(grad_bytes, dp, link)
+                )
                 t = max(0.0, comm - options.dp_overlap * backward)
             exposed = max(exposed, t)
     if pp > 1 and inputs.tied_params:
@@ -347,8 +398,15 @@ def _dp_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, r
     return exposed
 
 
-def _assemble(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile,
-              stages: list[StageCost], ranks: _RankTotals, options: CostOptions) -> Evaluation:
+def _assemble(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    stages: list[StageCost],
+    ranks: _RankTotals,
+    options: CostOptions,
+) -> Evaluation:
     pp, m = layout.pp, layout.num_microbatches
     rank_times = [ranks.time(r) for r in range(pp)]
     pipe, bubble = pipeline_time(rank_times, m, layout.vpp)
@@ -373,32 +431,46 @@ def _assemble(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster:
     tokens = layout.global_batch * inputs.seq_len
     tflops = layout.global_batch * inputs.model_flops_per_sample / step / layout.world_size / 1e12
     return Evaluation(
-        layout=layout, stages=tuple(stages), rank_memory=rank_memory, step_time_s=step, breakdown=breakdown,
-        tokens_per_s=tokens / step, model_tflops_per_gpu=tflops, mfu=tflops / gpu.bf16_tflops,
-        peak_memory_bytes=peak, capacity_bytes=capacity, fits=fits,
-        reason=None if fits else _overflow_reason(stages, rank_memory, capacity, layout), bottleneck_rank=b)
+        layout=layout,
+        stages=tuple(stages),
+        rank_memory=rank_memory,
+        step_time_s=step,
+        breakdown=breakdown,
+        tokens_per_s=tokens / step,
+        model_tflops_per_gpu=tflops,
+        mfu=tflops / gpu.bf16_tflops,
+        peak_memory_bytes=peak,
+        capacity_bytes=capacity,
+        fits=fits,
+        reason=None if fits else _overflow_reason(stages, rank_memory, capacity, layout),
+        bottleneck_rank=b,
+    )
 
 
-def _overflow_reason(stages: list[StageCost], rank_memory: tuple[MemoryBreakdown, ...], capacity: float,
-                     layout: Layout) -> str:
+def _overflow_reason(
+    stages: list[StageCost], rank_memory: tuple[MemoryBreakdown, ...], capacity: float, layout: Layout
+) -> str:
     """Which GPU overflows, by how much, and what dominates its memory."""
     rank = max(range(len(rank_memory)), key=lambda r: rank_memory[r].total)
     mem = rank_memory[rank]
-    idx = [s.index for s in stages[rank::layout.pp]]
+    idx = [s.index for s in stages[rank :: layout.pp]]
     where = f"pipeline stage {idx[0]}" if len(idx) == 1 else f"pipeline rank {rank} (stages {idx})"
-    flight = max(s.inflight for s in stages[rank::layout.pp])
-    return (f"{where} needs {mem.total / GIB:.1f} GiB of {capacity / GIB:.1f} GiB (over by "
-            f"{(mem.total - capacity) / GIB:.1f} GiB); {mem.largest()} dominate: activations "
-            f"{mem.activations / GIB:.1f} GiB ({flight:g} in-flight micro-batches of {layout.micro_batch}, recompute "
-            f"{layout.recompute}), weights+grads+optimizer {mem.static / GIB:.1f} GiB (zero {layout.zero}), "
-            f"reserve {mem.reserve / GIB:.1f} GiB")
+    flight = max(s.inflight for s in stages[rank :: layout.pp])
+    return (
+        f"{where} needs {mem.total / GIB:.1f} GiB of {capacity / GIB:.1f} GiB (over by "
+        f"{(mem.total - capacity) / GIB:.1f} GiB); {mem.largest()} dominate: activations "
+        f"{mem.activations / GIB:.1f} GiB ({flight:g} in-flight micro-batches of {layout.micro_batch}, recompute "
+        f"{layout.recompute}), weights+grads+optimizer {mem.static / GIB:.1f} GiB (zero {layout.zero}), "
+        f"reserve {mem.reserve / GIB:.1f} GiB"
+    )
 
 
 # ---- the stage MILP's coefficients -------------------------------------------------------------------------------
 
 
-def stage_coefficients(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
-                       ) -> StageCoefficients:
+def stage_coefficients(
+    inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
+) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
     tp, sp, mb, zero, dp = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero, layout.dp
     tp_link = group_link(cluster, tp, 1)
@@ -408,19 +480,28 @@ def stage_coefficients(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile,
     post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len)
     per_param = state_bytes(1.0, zero, dp).static
     p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if layout.pp > 1 else 0.0)
-    fixed = (cluster.memory_reserve_gib * GIB + zero3_buffer_bytes(inputs.block, tp, zero)
-             + working_bytes(inputs.block, layout.recompute, tp, sp, mb))
+    fixed = (
+        cluster.memory_reserve_gib * GIB
+        + zero3_buffer_bytes(inputs.block, tp, zero)
+        + working_bytes(inputs.block, layout.recompute, tp, sp, mb)
+    )
     t_b = blk.forward_s + blk.backward_s + blk.tp_s
     return StageCoefficients(
-        num_blocks=inputs.num_blocks, block_time_s=t_b, block_recompute_extra_s=blk.recompute_s,
+        num_blocks=inputs.num_blocks,
+        block_time_s=t_b,
+        block_recompute_extra_s=blk.recompute_s,
         block_time_recompute_s=t_b + blk.recompute_s,
-        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s, post_time_s=post.forward_s + post.backward_s + post.tp_s,
+        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s,
+        post_time_s=post.forward_s + post.backward_s + post.tp_s,
         p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
         block_static_bytes=per_param * local_params(inputs.block, tp),
-        pre_static_bytes=per_param * local_params(inputs.pre, tp), post_static_bytes=per_param * p_post,
+        pre_static_bytes=per_param * local_params(inputs.pre, tp),
+        post_static_bytes=per_param * p_post,
         block_act_bytes=activation_bytes(inputs.block, "none", tp, sp, mb),
         block_act_recompute_bytes=activation_bytes(inputs.block, layout.recompute, tp, sp, mb),
         pre_act_bytes=activation_bytes(inputs.pre, "none", tp, sp, mb),
         post_act_bytes=activation_bytes(inputs.post, "none", tp, sp, mb),
-        inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches), fixed_bytes=fixed,
-        capacity_bytes=gpu.hbm_gib * GIB - fixed)
+        inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches),
+        fixed_bytes=fixed,
+        capacity_bytes=gpu.hbm_gib * GIB - fixed,
+    )

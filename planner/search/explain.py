@@ -1,8 +1,10 @@
 """Why the chosen layout won: the reason each alternative lost, and why each dimension took its value."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
 from mlm.planner.search.layouts import Candidate, SearchResult
@@ -11,8 +13,12 @@ if TYPE_CHECKING:
     from mlm.planner.cost.step_time import Evaluation
 
 BREAKDOWN_LABELS = {
-    "compute_s": "compute", "tp_comm_s": "tensor-parallel communication", "pp_comm_s": "pipeline send/recv",
-    "dp_comm_s": "data-parallel gradient sync", "bubble_s": "pipeline bubble", "recompute_s": "recompute",
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel communication",
+    "pp_comm_s": "pipeline send/recv",
+    "dp_comm_s": "data-parallel gradient sync",
+    "bubble_s": "pipeline bubble",
+    "recompute_s": "recompute",
     "optimizer_s": "optimizer step",
 }
 DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel", "recompute", "zero")
@@ -32,12 +38,24 @@ def alternatives(result: SearchResult, k: int) -> list[dict[str, object]]:
     """The k runners-up (distinct layouts) and the closest infeasible ones, each with the reason it lost."""
     best = result.best
     rows: list[dict[str, object]] = []
-    for cand in result.ranked[1: k + 1]:
-        rows.append({"layout": _layout_dict(cand.layout), "step_time_s": cand.evaluation.step_time_s,
-                     "mfu": cand.evaluation.mfu, "why": why_slower(cand, best)})
+    for cand in result.ranked[1 : k + 1]:
+        rows.append(
+            {
+                "layout": _layout_dict(cand.layout),
+                "step_time_s": cand.evaluation.step_time_s,
+                "mfu": cand.evaluation.mfu,
+                "why": why_slower(cand, best),
+            }
+        )
     for cand in result.infeasible[:2]:
-        rows.append({"layout": _layout_dict(cand.layout), "step_time_s": None, "mfu": None,
-                     "why": f"does not fit: {cand.evaluation.reason}"})
+        rows.append(
+            {
+                "layout": _layout_dict(cand.layout),
+                "step_time_s": None,
+                "mfu": None,
+                "why": f"does not fit: {cand.evaluation.reason}",
+            }
+        )
     return rows
 
 
@@ -46,8 +64,9 @@ MESH = ("tp", "pp", "dp")
 WhatIf = Callable[[Layout, "tuple[int, ...] | None"], "Evaluation | str"]
 
 
-def explain_dimensions(result: SearchResult, what_if: WhatIf | None = None,
-                       pinned: frozenset[str] = frozenset()) -> dict[str, str]:
+def explain_dimensions(
+    result: SearchResult, what_if: WhatIf | None = None, pinned: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """For each dimension, why it took its value. Mesh sizes (tp, pp, dp) move together, so they are compared with
     the best layout that has another value there (named, since it differs elsewhere too). The other dimensions
     are compared all else equal: the chosen layout with only that dimension changed, taken from the ranking or,
@@ -72,8 +91,9 @@ def _mesh_reason(result: SearchResult, dim: str, chosen: object) -> str:
     if rival is None:
         return f"{dim}={chosen}: the only value with a layout that fits and can run"
     other = getattr(rival.layout, dim)
-    return (f"{dim}={chosen}: the best layout with {dim}={other} ({rival.layout.describe()}) is "
-            f"{why_slower(rival, best)}")
+    return (
+        f"{dim}={chosen}: the best layout with {dim}={other} ({rival.layout.describe()}) is {why_slower(rival, best)}"
+    )
 
 
 def _one_change_reason(result: SearchResult, dim: str, chosen: object, what_if: WhatIf) -> str:
@@ -94,13 +114,18 @@ def _one_change_reason(result: SearchResult, dim: str, chosen: object, what_if: 
         if isinstance(ev, str):
             parts.append(f"{dim}={other} cannot run ({ev})")
         elif not ev.fits:
-            parts.append(f"{dim}={other} does not fit (peak {ev.peak_memory_bytes / 2**30:.1f} of "
-                         f"{ev.capacity_bytes / 2**30:.1f} GiB)")
+            parts.append(
+                f"{dim}={other} does not fit (peak {ev.peak_memory_bytes / 2**30:.1f} of "
+                f"{ev.capacity_bytes / 2**30:.1f} GiB)"
+            )
         else:
             parts.append(f"{dim}={other} is {why_slower(Candidate(rival_layout, ev), best)}")
     if not parts:
-        why = {"vpp": "no pipeline (pp=1), so nothing to interleave", "zero": "dp=1, so nothing to shard",
-               "sequence_parallel": "sequence parallelism needs tp > 1"}.get(dim, "the only value possible here")
+        why = {
+            "vpp": "no pipeline (pp=1), so nothing to interleave",
+            "zero": "dp=1, so nothing to shard",
+            "sequence_parallel": "sequence parallelism needs tp > 1",
+        }.get(dim, "the only value possible here")
         return f"{dim}={chosen}: {why}"
     return f"{dim}={chosen}: all else equal, " + "; ".join(parts)
 
@@ -117,8 +142,11 @@ def _other_values(lay: Layout, dim: str) -> list[object]:
         return [] if lay.pp == 1 else ([1] if lay.vpp > 1 else [2])
     if dim == "micro_batch":
         per_replica = lay.global_batch // lay.dp
-        return [m for m in (lay.micro_batch // 2, lay.micro_batch * 2)
-                if m >= 1 and m != lay.micro_batch and per_replica % m == 0]
+        return [
+            m
+            for m in (lay.micro_batch // 2, lay.micro_batch * 2)
+            if m >= 1 and m != lay.micro_batch and per_replica % m == 0
+        ]
     return []
 
 

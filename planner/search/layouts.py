@@ -13,17 +13,19 @@ at its most memory-saving recompute level, the MILP choosing the per-stage recom
 then get the stage MILP (planner/search/stage_milp.py): uneven blocks per stage and per-stage recompute counts,
 re-scored by the same cost model.
 """
+
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from mlm.planner.capture.graph import ModelIR
+from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
 from mlm.planner.errors import Infeasible, PlanError
-from mlm.planner.capture.graph import ModelIR
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
-from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.search.stage_milp import StageProblem, solve_stages
 
 VPP_CHOICES = (1, 2, 3, 4, 6, 8)
@@ -51,8 +53,15 @@ class PlanRequest:
 
     @property
     def fully_pinned(self) -> bool:
-        return None not in (self.tp, self.pp, self.micro_batch, self.vpp, self.recompute, self.sequence_parallel,
-                            self.zero)
+        return None not in (
+            self.tp,
+            self.pp,
+            self.micro_batch,
+            self.vpp,
+            self.recompute,
+            self.sequence_parallel,
+            self.zero,
+        )
 
 
 @dataclass(frozen=True)
@@ -125,8 +134,14 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     refined = [improved.get(i, cand) for i, cand in enumerate(ranked)]
     ranked = _distinct(sorted(refined, key=lambda c: c.evaluation.step_time_s))
     misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
-    return SearchResult(best=ranked[0], ranked=ranked, infeasible=misses[:3], evaluated=evaluated,
-                        seconds=time.perf_counter() - start, milp_solves=solves)
+    return SearchResult(
+        best=ranked[0],
+        ranked=ranked,
+        infeasible=misses[:3],
+        evaluated=evaluated,
+        seconds=time.perf_counter() - start,
+        milp_solves=solves,
+    )
 
 
 def stage_lower_bound(cand: Candidate) -> float:
@@ -142,8 +157,9 @@ def stage_lower_bound(cand: Candidate) -> float:
     return m * work / pp + work * (1 - 1 / pp) / vpp
 
 
-def refine_stages(inputs: object, cand: Candidate, gpu: GPUProfile, cluster: ClusterProfile,
-                  request: PlanRequest) -> tuple[Candidate, int]:
+def refine_stages(
+    inputs: ModelCostInputs, cand: Candidate, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
+) -> tuple[Candidate, int]:
     """Re-place blocks (uneven) and choose per-stage recompute counts with the MILP; keep what is faster."""
     layout = cand.layout
     if cand.assignment is not None or (layout.pp == 1 and layout.recompute == "none"):
@@ -154,8 +170,14 @@ def refine_stages(inputs: object, cand: Candidate, gpu: GPUProfile, cluster: Clu
     return cand, 1
 
 
-def fit_uneven(inputs: object, layout: Layout, balanced: Evaluation, gpu: GPUProfile, cluster: ClusterProfile,
-               request: PlanRequest) -> tuple[Candidate | None, int]:
+def fit_uneven(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    balanced: Evaluation,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    request: PlanRequest,
+) -> tuple[Candidate | None, int]:
     """`layout` with the stage MILP's assignment when balanced stages overflow but uneven ones fit, else None.
     Skipped when no assignment can fit: the static bytes (weights, gradients, optimizer state) and the reserve
     do not depend on where the blocks go, so if their total exceeds pp GPUs' memory nothing helps."""
@@ -167,8 +189,9 @@ def fit_uneven(inputs: object, layout: Layout, balanced: Evaluation, gpu: GPUPro
     return _solve(inputs, layout, gpu, cluster, request), 1
 
 
-def _solve(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
-           ) -> Candidate | None:
+def _solve(
+    inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
+) -> Candidate | None:
     """The stage MILP's assignment for `layout`, scored by the cost model; None if it does not fit. A solution
     that recomputes no block is reported as recompute "none" (the same time and memory, and what it really is)."""
     solution = solve_stages(stage_problem(inputs, layout, gpu, cluster), request.solver, request.time_limit_s)
@@ -182,8 +205,9 @@ def _solve(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProf
     return Candidate(layout, ev, assignment) if ev.fits else None
 
 
-def _second_probe(inputs: object, probe: Layout, ev: Evaluation, gpu: GPUProfile, cluster: ClusterProfile
-                  ) -> Evaluation:
+def _second_probe(
+    inputs: ModelCostInputs, probe: Layout, ev: Evaluation, gpu: GPUProfile, cluster: ClusterProfile
+) -> Evaluation:
     """Full recompute is not always the least memory: a GPU holding one block and one in-flight micro-batch keeps
     that block's input and, while recomputing it, all its activations: more than selective recompute keeps.
     Returns the selective probe's evaluation when it fits, else `ev`."""
@@ -191,8 +215,15 @@ def _second_probe(inputs: object, probe: Layout, ev: Evaluation, gpu: GPUProfile
     return other if other.fits else ev
 
 
-def _tight_group(inputs: object, ir: ModelIR, request: PlanRequest, group: tuple[int, int, int, int],
-                 gpu: GPUProfile, cluster: ClusterProfile, feasible: dict[Layout, Candidate]) -> int:
+def _tight_group(
+    inputs: ModelCostInputs,
+    ir: ModelIR,
+    request: PlanRequest,
+    group: tuple[int, int, int, int],
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    feasible: dict[Layout, Candidate],
+) -> int:
     """A group whose least-memory probe fits only with uneven stages: give each (vpp, sp) its most memory-saving
     recompute level, placed by the MILP, for growing micro-batches until one does not fit (memory grows with the
     micro-batch). The MILP still picks how many blocks per stage actually recompute. Returns the solves made."""
@@ -223,22 +254,31 @@ def _distinct(ranked: list[Candidate]) -> list[Candidate]:
     return out
 
 
-def stage_problem(inputs: object, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> StageProblem:
+def stage_problem(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> StageProblem:
     """The MILP's coefficients, from the cost model's own per-block numbers (so both agree)."""
     c = stage_coefficients(inputs, layout, gpu, cluster)
     return StageProblem(
-        num_blocks=c.num_blocks, pp=layout.pp, vpp=layout.vpp,
-        block_time_s=c.block_time_s, recompute_time_s=c.block_recompute_extra_s,
-        pre_time_s=c.pre_time_s, post_time_s=c.post_time_s,
-        block_static_bytes=c.block_static_bytes, pre_static_bytes=c.pre_static_bytes,
-        post_static_bytes=c.post_static_bytes, block_act_bytes=c.block_act_bytes,
-        block_act_recompute_bytes=c.block_act_recompute_bytes, pre_act_bytes=c.pre_act_bytes,
-        post_act_bytes=c.post_act_bytes, inflight=tuple(c.inflight), capacity_bytes=c.capacity_bytes,
-        allow_recompute=layout.recompute != "none")
+        num_blocks=c.num_blocks,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        block_time_s=c.block_time_s,
+        recompute_time_s=c.block_recompute_extra_s,
+        pre_time_s=c.pre_time_s,
+        post_time_s=c.post_time_s,
+        block_static_bytes=c.block_static_bytes,
+        pre_static_bytes=c.pre_static_bytes,
+        post_static_bytes=c.post_static_bytes,
+        block_act_bytes=c.block_act_bytes,
+        block_act_recompute_bytes=c.block_act_recompute_bytes,
+        pre_act_bytes=c.pre_act_bytes,
+        post_act_bytes=c.post_act_bytes,
+        inflight=tuple(c.inflight),
+        capacity_bytes=c.capacity_bytes,
+        allow_recompute=layout.recompute != "none",
+    )
 
 
-def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile
-                    ) -> Candidate:
+def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile) -> Candidate:
     """Every dimension pinned: evaluate exactly that layout (balanced stages). Raises Infeasible if it does not
     fit, naming the stage and the overflow."""
     validate_request(ir, request, cluster)
@@ -252,10 +292,17 @@ def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster:
 def pinned_layout(ir: ModelIR, request: PlanRequest) -> Layout:
     assert request.tp and request.pp and request.micro_batch and request.vpp is not None
     dp = request.num_gpus // (request.tp * request.pp)
-    layout = Layout(tp=request.tp, pp=request.pp, dp=dp, micro_batch=request.micro_batch,
-                    num_microbatches=request.global_batch // (dp * request.micro_batch), vpp=request.vpp,
-                    sequence_parallel=bool(request.sequence_parallel), recompute=request.recompute or "none",
-                    zero=request.zero or 0)
+    layout = Layout(
+        tp=request.tp,
+        pp=request.pp,
+        dp=dp,
+        micro_batch=request.micro_batch,
+        num_microbatches=request.global_batch // (dp * request.micro_batch),
+        vpp=request.vpp,
+        sequence_parallel=bool(request.sequence_parallel),
+        recompute=request.recompute or "none",
+        zero=request.zero or 0,
+    )
     problem = layout_problem(ir, layout, request.global_batch)
     if problem:
         raise Infeasible(f"layout {layout.describe()}: {problem}")
@@ -271,8 +318,9 @@ def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile)
         raise PlanError("--global-batch must be >= 1")
     if n > node and n % node:
         lower, upper = n // node * node, (n // node + 1) * node
-        raise Infeasible(f"{n} GPUs is not a whole number of {cluster.name} nodes ({node} GPUs each): "
-                         f"use {lower} or {upper}")
+        raise Infeasible(
+            f"{n} GPUs is not a whole number of {cluster.name} nodes ({node} GPUs each): use {lower} or {upper}"
+        )
     for name in ("tp", "pp", "dp", "micro_batch", "vpp"):
         value = getattr(request, name)
         if value is not None and value < 1:
@@ -286,16 +334,25 @@ def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile)
     if request.tp and request.pp and request.dp and request.tp * request.pp * request.dp != n:
         raise Infeasible(f"tp·pp·dp = {request.tp * request.pp * request.dp} but --gpus is {n}")
     if request.tp and request.tp > node:
-        raise Infeasible(f"--tp {request.tp} exceeds the {node} GPUs of one {cluster.name} node: tensor "
-                         f"parallelism needs NVLink; use --tp {node} or less")
+        raise Infeasible(
+            f"--tp {request.tp} exceeds the {node} GPUs of one {cluster.name} node: tensor "
+            f"parallelism needs NVLink; use --tp {node} or less"
+        )
     if request.vpp and request.vpp > 1 and (request.pp == 1 or n == 1):
-        raise Infeasible(f"--vpp {request.vpp} needs pipeline parallelism: the interleaved schedule splits each "
-                         f"pipeline rank's blocks into chunks; pin --pp > 1 or use --vpp 1")
+        raise Infeasible(
+            f"--vpp {request.vpp} needs pipeline parallelism: the interleaved schedule splits each "
+            f"pipeline rank's blocks into chunks; pin --pp > 1 or use --vpp 1"
+        )
     if request.sequence_parallel and not any(t > 1 for t in _tp_options(ir, request, cluster)):
-        raise Infeasible("--sequence-parallel needs tensor parallelism (tp > 1), and "
-                         + ("--tp is pinned to 1" if request.tp == 1 else
-                            f"no tp > 1 divides the heads and hidden size and {n} GPUs")
-                         + ": drop --sequence-parallel or allow a larger --tp")
+        raise Infeasible(
+            "--sequence-parallel needs tensor parallelism (tp > 1), and "
+            + (
+                "--tp is pinned to 1"
+                if request.tp == 1
+                else f"no tp > 1 divides the heads and hidden size and {n} GPUs"
+            )
+            + ": drop --sequence-parallel or allow a larger --tp"
+        )
     if not any(request.global_batch % dp == 0 for dp in _dp_options(ir, request, cluster)):
         raise Infeasible(_batch_message(ir, request, cluster))
     if request.recompute is not None and request.recompute not in RECOMPUTE_CHOICES:
@@ -305,17 +362,21 @@ def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile)
 def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None:
     """Why the runtime could not execute this layout, or None."""
     if layout.micro_batch * layout.num_microbatches * layout.dp != global_batch:
-        return (f"global batch {global_batch} is not micro_batch·num_microbatches·dp "
-                f"({layout.micro_batch}·{layout.num_microbatches}·{layout.dp}); choose a micro-batch dividing "
-                f"{global_batch // layout.dp if global_batch % layout.dp == 0 else 'B/dp'}")
+        return (
+            f"global batch {global_batch} is not micro_batch·num_microbatches·dp "
+            f"({layout.micro_batch}·{layout.num_microbatches}·{layout.dp}); choose a micro-batch dividing "
+            f"{global_batch // layout.dp if global_batch % layout.dp == 0 else 'B/dp'}"
+        )
     for what, size in (("heads", ir.num_heads), ("kv heads", ir.num_kv_heads), ("hidden size", ir.hidden_size)):
         if size % layout.tp:
             return f"tp {layout.tp} does not divide the {what} ({size})"
     if layout.pp * layout.vpp > ir.num_layers:
         return f"pp·vpp = {layout.pp * layout.vpp} exceeds the {ir.num_layers} blocks"
     if layout.pp > 1 and layout.num_microbatches < layout.pp:
-        return (f"1F1B needs at least pp = {layout.pp} micro-batches per step, got {layout.num_microbatches}: "
-                f"lower the micro-batch or raise the global batch")
+        return (
+            f"1F1B needs at least pp = {layout.pp} micro-batches per step, got {layout.num_microbatches}: "
+            f"lower the micro-batch or raise the global batch"
+        )
     if layout.vpp > 1 and (layout.pp == 1 or layout.num_microbatches % layout.pp):
         return "the interleaved schedule needs pp > 1 and micro-batches divisible by pp"
     if layout.sequence_parallel and layout.tp == 1:
@@ -330,8 +391,11 @@ def _divisors(n: int) -> list[int]:
 def _tp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[int]:
     if request.tp:
         return [request.tp]
-    return [t for t in _divisors(cluster.gpus_per_node) if request.num_gpus % t == 0 and ir.num_heads % t == 0
-            and ir.num_kv_heads % t == 0 and ir.hidden_size % t == 0]
+    return [
+        t
+        for t in _divisors(cluster.gpus_per_node)
+        if request.num_gpus % t == 0 and ir.num_heads % t == 0 and ir.num_kv_heads % t == 0 and ir.hidden_size % t == 0
+    ]
 
 
 def _dp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[int]:
@@ -349,7 +413,7 @@ def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Itera
     zeros = [request.zero] if request.zero is not None else list(ZERO_CHOICES)
     for tp in _tp_options(ir, request, cluster):
         rest = request.num_gpus // tp
-        for pp in ([request.pp] if request.pp else _divisors(rest)):
+        for pp in [request.pp] if request.pp else _divisors(rest):
             if rest % pp or pp > ir.num_layers:
                 continue
             dp = rest // pp
@@ -368,37 +432,57 @@ def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
     return [m for m in _divisors(per_replica) if m <= MAX_MICRO_BATCH]
 
 
-def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: int, ir: ModelIR
-                         ) -> Layout | None:
+def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: int, ir: ModelIR) -> Layout | None:
     mbs = _micro_batches(request, dp)
     if not mbs:
         return None
     mb = mbs[0]
     sp = request.sequence_parallel if request.sequence_parallel is not None else tp > 1
-    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=request.global_batch // (dp * mb),
-                    vpp=1, sequence_parallel=sp and tp > 1, recompute=request.recompute or "full", zero=zero)
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=mb,
+        num_microbatches=request.global_batch // (dp * mb),
+        vpp=1,
+        sequence_parallel=sp and tp > 1,
+        recompute=request.recompute or "full",
+        zero=zero,
+    )
     if layout_problem(ir, layout, request.global_batch):
         return None
     return layout
 
 
-def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int
-              ) -> Iterator[list[Layout]]:
+def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int) -> Iterator[list[Layout]]:
     """For each (micro-batch, vpp, sp): the runnable layouts in increasing recompute order."""
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
-    sps = [request.sequence_parallel] if request.sequence_parallel is not None else (
-        [False, True] if tp > 1 else [False])
+    sps = (
+        [request.sequence_parallel] if request.sequence_parallel is not None else ([False, True] if tp > 1 else [False])
+    )
     # Megatron-LM's interleaved schedule needs the blocks to divide evenly into pp·vpp chunks
-    vpps = [request.vpp] if request.vpp else ([1] if pp == 1 else [
-        v for v in VPP_CHOICES if v == 1 or ir.num_layers % (pp * v) == 0])
+    vpps = (
+        [request.vpp]
+        if request.vpp
+        else ([1] if pp == 1 else [v for v in VPP_CHOICES if v == 1 or ir.num_layers % (pp * v) == 0])
+    )
     for mb in _micro_batches(request, dp):
         m = request.global_batch // (dp * mb)
         for vpp in vpps:
             for sp in sps:
                 levels = []
                 for rc in recomputes:
-                    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, num_microbatches=m, vpp=vpp,
-                                    sequence_parallel=bool(sp), recompute=rc, zero=zero)  # type: ignore[arg-type]
+                    layout = Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp=dp,
+                        micro_batch=mb,
+                        num_microbatches=m,
+                        vpp=vpp,
+                        sequence_parallel=bool(sp),
+                        recompute=rc,
+                        zero=zero,
+                    )  # type: ignore[arg-type]
                     if layout_problem(ir, layout, request.global_batch) is None:
                         levels.append(layout)
                 if levels:
@@ -411,32 +495,42 @@ def _batch_message(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -
     if not dps:
         return f"no tensor/pipeline split of {request.num_gpus} GPUs is possible for this model"
     nearest = min((k * dp for dp in dps for k in (b // dp, b // dp + 1) if k), key=lambda x: (abs(x - b), x))
-    return (f"global batch {b} is not divisible by any data-parallel size possible on {request.num_gpus} GPUs "
-            f"({', '.join(map(str, dps[:8]))}{'…' if len(dps) > 8 else ''}): try --global-batch {nearest}")
+    return (
+        f"global batch {b} is not divisible by any data-parallel size possible on {request.num_gpus} GPUs "
+        f"({', '.join(map(str, dps[:8]))}{'…' if len(dps) > 8 else ''}): try --global-batch {nearest}"
+    )
 
 
-def _no_fit_message(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile,
-                    misses: list[Candidate]) -> str:
-    closest = min(misses, key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes,
-                  default=None)
+def _no_fit_message(
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, misses: list[Candidate]
+) -> str:
+    closest = min(misses, key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes, default=None)
     need = smallest_gpu_count(ir, request, gpu, cluster)
-    pinned = any(getattr(request, k) is not None for k in ("tp", "pp", "dp", "micro_batch", "vpp",
-                                                           "recompute", "sequence_parallel", "zero"))
+    pinned = any(
+        getattr(request, k) is not None
+        for k in ("tp", "pp", "dp", "micro_batch", "vpp", "recompute", "sequence_parallel", "zero")
+    )
     with_pins = " with the pinned choices" if pinned else ""
     # smallest_gpu_count only looks above the request, so a hint never contradicts the failure it explains
     hint = f"; it fits on {need} GPUs{with_pins}" if need else ""
     if closest is None:
-        why = (with_pins if pinned else
-               f" with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
-               f"the batch must split over dp): raise --global-batch or use fewer GPUs")
+        why = (
+            with_pins
+            if pinned
+            else f" with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
+            f"the batch must split over dp): raise --global-batch or use fewer GPUs"
+        )
         return f"no runnable layout for {request.num_gpus} GPUs{why}{hint}"
     layouts = "the pinned choices" if pinned else "any layout"
-    return (f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with {layouts}{hint} "
-            f"(closest: {closest.layout.describe()}: {closest.evaluation.reason})")
+    return (
+        f"the model does not fit on {request.num_gpus} {gpu.name} GPUs with {layouts}{hint} "
+        f"(closest: {closest.layout.describe()}: {closest.evaluation.reason})"
+    )
 
 
-def smallest_gpu_count(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile,
-                       limit: int = 1 << 17) -> int | None:
+def smallest_gpu_count(
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, limit: int = 1 << 17
+) -> int | None:
     """The smallest GPU count above request.num_gpus on which some least-memory layout fits (with the request's
     pins, --dp included): counts up to one node one by one, then whole nodes by doubling, then refined."""
     inputs = summarize(ir)

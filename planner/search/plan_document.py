@@ -1,12 +1,13 @@
 """Assemble plan.json's Plan from a search result (pure)."""
+
 from __future__ import annotations
 
-from mlm.planner.cost.step_time import Evaluation, StageAssignment
 from mlm.planner.capture.graph import ModelIR
-from mlm.planner.layout import Layout
 from mlm.planner.capture.loader import ModelSpec
-from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.cost.step_time import Evaluation, StageAssignment
+from mlm.planner.layout import Layout
+from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
@@ -19,49 +20,82 @@ def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None
-                 ) -> list[tuple[list[str], list[str]]]:
+def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None) -> list[tuple[list[str], list[str]]]:
     """(layers, recompute_layers) per virtual stage: pre-block layers on the first, post-block on the last;
     under recompute, the first k blocks of each stage are recomputed (Megatron's per-stage count)."""
     names = [layer.name for layer in ir.layers]
     kinds = [layer.kind for layer in ir.layers]
     first = kinds.index("block")
     last = len(kinds) - 1 - kinds[::-1].index("block")
-    blocks = names[first: last + 1]
+    blocks = names[first : last + 1]
     num_stages = layout.pp * layout.vpp
     counts = assignment.blocks_per_stage if assignment else balanced_blocks(len(blocks), num_stages)
-    recompute = (assignment.recompute_blocks if assignment and assignment.recompute_blocks is not None
-                 else tuple(counts if layout.recompute != "none" else [0] * num_stages))
+    recompute = (
+        assignment.recompute_blocks
+        if assignment and assignment.recompute_blocks is not None
+        else tuple(counts if layout.recompute != "none" else [0] * num_stages)
+    )
     out = []
     pos = 0
     for i, (n, r) in enumerate(zip(counts, recompute)):
-        mine = blocks[pos: pos + n]
+        mine = blocks[pos : pos + n]
         pos += n
-        layers = (names[:first] if i == 0 else []) + mine + (names[last + 1:] if i == num_stages - 1 else [])
+        layers = (names[:first] if i == 0 else []) + mine + (names[last + 1 :] if i == num_stages - 1 else [])
         out.append((layers, mine[:r]))
     return out
 
 
-def build_plan(spec: ModelSpec, ir: ModelIR, layout: Layout, evaluation: Evaluation,
-               assignment: StageAssignment | None, gpu: GPUProfile, cluster: ClusterProfile,
-               tensor_parallel: dict[str, str], alternatives: list[dict[str, object]]) -> Plan:
+def build_plan(
+    spec: ModelSpec,
+    ir: ModelIR,
+    layout: Layout,
+    evaluation: Evaluation,
+    assignment: StageAssignment | None,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    tensor_parallel: dict[str, str],
+    alternatives: list[dict[str, object]],
+) -> Plan:
     stages = []
     for i, ((layers, rc), cost) in enumerate(zip(stage_layers(ir, layout, assignment), evaluation.stages)):
-        stages.append(Stage(index=i, layers=layers, recompute_layers=rc, memory_bytes=float(cost.memory.total),
-                            time_s=float(cost.time_s)))
+        stages.append(
+            Stage(
+                index=i,
+                layers=layers,
+                recompute_layers=rc,
+                memory_bytes=float(cost.memory.total),
+                time_s=float(cost.time_s),
+            )
+        )
     return Plan(
-        model=ModelRef(source=spec.source, sha256=spec.sha256, entry=spec.entry, args=dict(spec.args),
-                       num_params=ir.num_params, num_layers=ir.num_layers, hidden_size=ir.hidden_size,
-                       num_heads=ir.num_heads, vocab_size=ir.vocab_size),
-        cluster=ClusterRef(gpu=gpu.name, num_gpus=layout.world_size, gpus_per_node=cluster.gpus_per_node,
-                           profile={"gpu": gpu.to_dict(), "cluster": cluster.to_dict()}),
+        model=ModelRef(
+            source=spec.source,
+            sha256=spec.sha256,
+            entry=spec.entry,
+            args=dict(spec.args),
+            num_params=ir.num_params,
+            num_layers=ir.num_layers,
+            hidden_size=ir.hidden_size,
+            num_heads=ir.num_heads,
+            vocab_size=ir.vocab_size,
+        ),
+        cluster=ClusterRef(
+            gpu=gpu.name,
+            num_gpus=layout.world_size,
+            gpus_per_node=cluster.gpus_per_node,
+            profile={"gpu": gpu.to_dict(), "cluster": cluster.to_dict()},
+        ),
         training=Training(global_batch=layout.global_batch, seq_len=ir.seq_len, dtype="bf16"),
         layout=layout,
         stages=stages,
         tensor_parallel=tensor_parallel,
-        predicted=Predicted(step_time_s=evaluation.step_time_s, tokens_per_s=evaluation.tokens_per_s,
-                            model_tflops_per_gpu=evaluation.model_tflops_per_gpu, mfu=evaluation.mfu,
-                            peak_memory_bytes=float(evaluation.peak_memory_bytes),
-                            breakdown={k: float(v) for k, v in evaluation.breakdown.items()}),
+        predicted=Predicted(
+            step_time_s=evaluation.step_time_s,
+            tokens_per_s=evaluation.tokens_per_s,
+            model_tflops_per_gpu=evaluation.model_tflops_per_gpu,
+            mfu=evaluation.mfu,
+            peak_memory_bytes=float(evaluation.peak_memory_bytes),
+            breakdown={k: float(v) for k, v in evaluation.breakdown.items()},
+        ),
         alternatives=alternatives,
     )

@@ -20,10 +20,12 @@ without / with recompute; f_i: in-flight micro-batches of virtual stage i under 
 reserve. With vpp > 1 one heavy chunk (the head's) can set T by itself, leaving every other assignment optimal,
 including ones that pile blocks on one chunk or leave a rank heavier than needed; the δ terms (δ = 1e-4, far
 below one block's time) then pick the one with the lightest busiest rank (what the cost model's pipeline time
-reads) and each rank's chunks as even as the blocks allow. Blocks are identical, so integer counts replace a binary per layer and the model stays tiny
-(2S+1 variables, pp+2 more when vpp > 1) whatever the depth. The step time follows as (m + (pp−1)/vpp)·T plus what does not overlap,
-which the cost model's evaluate() computes on the resulting assignment.
+reads) and each rank's chunks as even as the blocks allow. Blocks are identical, so integer counts replace a
+binary per layer and the model stays tiny (2S+1 variables, pp+2 more when vpp > 1) whatever the depth. The step
+time follows as (m + (pp−1)/vpp)·T plus what does not overlap, which the cost model's evaluate() computes on
+the resulting assignment.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +73,12 @@ def solve_stages(problem: StageProblem, solver: str = "cbc", time_limit_s: float
         return None
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=problem.num_blocks, cat="Integer") for i in range(S)]
-    r = [pulp.LpVariable(f"r{i}", lowBound=0, upBound=problem.num_blocks if problem.allow_recompute else 0,
-                         cat="Integer") for i in range(S)]
+    r = [
+        pulp.LpVariable(
+            f"r{i}", lowBound=0, upBound=problem.num_blocks if problem.allow_recompute else 0, cat="Integer"
+        )
+        for i in range(S)
+    ]
     T = pulp.LpVariable("T", lowBound=0)
     eps = 1e-3 * max(problem.recompute_time_s, 1e-12) / problem.num_blocks
     objective = T + eps * pulp.lpSum(r)
@@ -110,8 +116,12 @@ TIE_BREAK = 1e-4
 def _stage_time(p: StageProblem, n: list, r: list, i: int) -> pulp.LpAffineExpression:
     """τ_i: virtual stage i's forward+backward(+recompute) time per micro-batch."""
     last = p.pp * p.vpp - 1
-    return (n[i] * p.block_time_s + r[i] * p.recompute_time_s + (p.pre_time_s if i == 0 else 0.0)
-            + (p.post_time_s if i == last else 0.0))
+    return (
+        n[i] * p.block_time_s
+        + r[i] * p.recompute_time_s
+        + (p.pre_time_s if i == 0 else 0.0)
+        + (p.post_time_s if i == last else 0.0)
+    )
 
 
 def _tie_breaks(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, U: pulp.LpVariable, M: list) -> None:
@@ -130,8 +140,12 @@ def _rank_time(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, T: pulp.
     last = p.pp * p.vpp - 1
 
     def stage_time(i: int) -> pulp.LpAffineExpression:
-        return (n[i] * p.block_time_s + r[i] * p.recompute_time_s + (p.pre_time_s if i == 0 else 0.0)
-                + (p.post_time_s if i == last else 0.0))
+        return (
+            n[i] * p.block_time_s
+            + r[i] * p.recompute_time_s
+            + (p.pre_time_s if i == 0 else 0.0)
+            + (p.post_time_s if i == last else 0.0)
+        )
 
     for stages in _ranks(p):
         prob += pulp.lpSum(stage_time(i) for i in stages) <= T

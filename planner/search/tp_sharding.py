@@ -42,6 +42,7 @@ Capture marks the ops that read the block's input (`reads_input`) and those that
 ops whose output is larger than all their graph inputs (x * rsqrt(mean(x^2))), and single-input binary ops of
 the residual's shape (x + f(x)). Ops fed only by constants (rotary tables, masks) are left out: replicated, broadcast.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,15 +55,51 @@ from typing import Any, Literal
 import networkx as nx
 import pulp
 
-from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.capture.graph import LayerIR, ModelIR
+from mlm.planner.errors import Infeasible, PlanError
 
 Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence"]
 R, S, Q = "R", "S", "Q"
-REDUCTIONS = frozenset({"mean", "sum", "var", "std", "amax", "amin", "max", "min", "norm", "logsumexp", "prod",
-                        "var_mean", "argmax", "argmin", "cumsum"})
-BINARY = frozenset({"add", "sub", "mul", "div", "where", "maximum", "minimum", "masked_fill", "addcmul",
-                    "addcdiv", "lerp", "rsub", "true_divide", "pow_tensor", "copysign", "atan2", "fmod"})
+REDUCTIONS = frozenset(
+    {
+        "mean",
+        "sum",
+        "var",
+        "std",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "norm",
+        "logsumexp",
+        "prod",
+        "var_mean",
+        "argmax",
+        "argmin",
+        "cumsum",
+    }
+)
+BINARY = frozenset(
+    {
+        "add",
+        "sub",
+        "mul",
+        "div",
+        "where",
+        "maximum",
+        "minimum",
+        "masked_fill",
+        "addcmul",
+        "addcdiv",
+        "lerp",
+        "rsub",
+        "true_divide",
+        "pow_tensor",
+        "copysign",
+        "atan2",
+        "fmod",
+    }
+)
 STATE_BYTES_PER_PARAM = 16  # bf16 weight + grad, fp32 master weight and two Adam moments
 
 
@@ -78,8 +115,12 @@ class TPCost:
     @classmethod
     def from_profiles(cls, gpu: Any, link_gbps: float | None = None, **kw: float) -> TPCost:
         """From a profiles.GPUProfile (bf16_tflops, hbm_gbps, nvlink_gbps)."""
-        return cls(bf16_tflops=gpu.bf16_tflops, hbm_gbps=gpu.hbm_gbps,
-                   link_gbps=link_gbps if link_gbps is not None else gpu.nvlink_gbps, **kw)
+        return cls(
+            bf16_tflops=gpu.bf16_tflops,
+            hbm_gbps=gpu.hbm_gbps,
+            link_gbps=link_gbps if link_gbps is not None else gpu.nvlink_gbps,
+            **kw,
+        )
 
 
 @dataclass(frozen=True)
@@ -136,11 +177,11 @@ class TPSharding:
         seen: dict[str, set[str]] = {}
         for fqn, style in self.styles.items():
             owner = next((n for n in names if fqn.startswith(n + ".")), None)
-            key = f"{group}.*{fqn[len(owner):]}" if owner else fqn
+            key = f"{group}.*{fqn[len(owner) :]}" if owner else fqn
             seen.setdefault(key, set()).add(style)
         for fqn, style in self.styles.items():
             owner = next((n for n in names if fqn.startswith(n + ".")), None)
-            key = f"{group}.*{fqn[len(owner):]}" if owner else fqn
+            key = f"{group}.*{fqn[len(owner) :]}" if owner else fqn
             if owner and len(seen[key]) == 1:
                 out[key] = style
             else:
@@ -148,9 +189,15 @@ class TPSharding:
         return out
 
 
-def plan_tensor_parallel(ir: ModelIR, tp: int, sequence_parallel: bool = False, solver: str = "cbc",
-                         time_limit_s: float = 10.0, allow_gather: bool = False,
-                         cost: TPCost | None = None) -> TPSharding:
+def plan_tensor_parallel(
+    ir: ModelIR,
+    tp: int,
+    sequence_parallel: bool = False,
+    solver: str = "cbc",
+    time_limit_s: float = 10.0,
+    allow_gather: bool = False,
+    cost: TPCost | None = None,
+) -> TPSharding:
     """Choose colwise / rowwise / replicate for every linear of every block by the ILP in the module docstring;
     vocab-parallel embedding and output head when the vocabulary divides by tp; norms 'sequence' under SP."""
     if tp < 1:
@@ -186,17 +233,27 @@ def plan_tensor_parallel(ir: ModelIR, tp: int, sequence_parallel: bool = False, 
             styles.update({rename(m): s for m, s in sol.styles.items()})
             layouts.update({rename(m): lay for m, lay in sol.layouts.items()})
             splits.update({rename(m): sp for m, sp in sol.splits.items()})
-            collectives[layer.name] = tuple(Collective(c.kind, rename(c.module), c.tensor_bytes)
-                                            for c in sol.collectives)
+            collectives[layer.name] = tuple(
+                Collective(c.kind, rename(c.module), c.tensor_bytes) for c in sol.collectives
+            )
     elapsed = time.perf_counter() - start
-    result = TPSharding(tp=tp, sequence_parallel=sequence_parallel, styles=styles, collectives=collectives,
-                        layouts=layouts, shard_splits=splits, solve_seconds=elapsed, solver=solver)
+    result = TPSharding(
+        tp=tp,
+        sequence_parallel=sequence_parallel,
+        styles=styles,
+        collectives=collectives,
+        layouts=layouts,
+        shard_splits=splits,
+        solve_seconds=elapsed,
+        solver=solver,
+    )
     return _with_explanation(result, ir, notes)
 
 
 def _renamer(owner: str, name: str):
     def rename(fqn: str) -> str:
-        return name + fqn[len(owner):] if fqn.startswith(owner + ".") or fqn == owner else fqn
+        return name + fqn[len(owner) :] if fqn.startswith(owner + ".") or fqn == owner else fqn
+
     return rename
 
 
@@ -210,6 +267,7 @@ class _BlockSolution:
 
 
 # ---------------------------------------------------------------------------------------------------- the graph
+
 
 def _numel(shape: Iterable[int]) -> int:
     return math.prod(shape) if shape else 0
@@ -251,8 +309,9 @@ def _classify_nodes(g: nx.DiGraph) -> tuple[set[str], set[str], tuple[int, ...]]
     return constants, readers, residual
 
 
-def _linear_strategies(d: dict[str, Any], in_f: int, out_f: int, tp: int, sp: bool,
-                       allow_gather: bool) -> list[Strategy]:
+def _linear_strategies(
+    d: dict[str, Any], in_f: int, out_f: int, tp: int, sp: bool, allow_gather: bool
+) -> list[Strategy]:
     """Under SP the runtime gives every colwise linear a sequence-sharded input and every rowwise one a
     sequence-sharded output, and leaves replicated linears alone (tokenwise: R -> R, Q -> Q)."""
     ks = [Strategy("rep", "replicate", R, R)]
@@ -263,11 +322,17 @@ def _linear_strategies(d: dict[str, Any], in_f: int, out_f: int, tp: int, sp: bo
     if out_f % tp == 0:
         ks.append(Strategy("col", "colwise", Q, S, gathers_input=True) if sp else Strategy("col", "colwise", R, S))
         if allow_gather:
-            ks.append(Strategy("colg", "colwise", Q, R, gathers_input=True, collective="all-gather") if sp
-                      else Strategy("colg", "colwise", R, R, collective="all-gather"))
+            ks.append(
+                Strategy("colg", "colwise", Q, R, gathers_input=True, collective="all-gather")
+                if sp
+                else Strategy("colg", "colwise", R, R, collective="all-gather")
+            )
     if in_f % tp == 0:
-        ks.append(Strategy("row", "rowwise", S, Q, collective="reduce-scatter") if sp
-                  else Strategy("row", "rowwise", S, R, collective="all-reduce"))
+        ks.append(
+            Strategy("row", "rowwise", S, Q, collective="reduce-scatter")
+            if sp
+            else Strategy("row", "rowwise", S, R, collective="all-reduce")
+        )
     return ks
 
 
@@ -287,6 +352,7 @@ def _op_states(d: dict[str, Any], heads_ok: bool, sp: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------------ the ILP
+
 
 class _Model:
     """Variables and costs of one layer's ILP; one method per family of constraints."""
@@ -311,8 +377,9 @@ class _Model:
             else:
                 self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp)]
         self.prob = pulp.LpProblem("tp_sharding", pulp.LpMinimize)
-        self.x = {(n, i): self.binary(f"x_{j}_{i}")
-                  for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))}
+        self.x = {
+            (n, i): self.binary(f"x_{j}_{i}") for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))
+        }
         self.gathered: dict[str, pulp.LpVariable] = {}
 
     def binary(self, name: str) -> pulp.LpVariable:
@@ -372,7 +439,7 @@ class _Model:
         for n in self.nodes:
             if self.is_linear(n):
                 by_module.setdefault(_linear_module(self.g.nodes[n]), []).append(n)
-        for module, calls in by_module.items():
+        for calls in by_module.values():
             for a, b in zip(calls, calls[1:]):
                 for style in ("colwise", "rowwise", "replicate"):
                     fa = pulp.lpSum(self.x[a, i] for i, k in enumerate(self.strategies[a]) if k.style == style)
@@ -434,14 +501,16 @@ def _solver(name: str, time_limit_s: float) -> pulp.LpSolver:
     raise PlanError(f"unknown ILP solver {name!r}; expected 'cbc' or 'highs'")
 
 
-def _solve_layer(layer: LayerIR, ir: ModelIR, tp: int, sp: bool, solver: str, time_limit_s: float,
-                 allow_gather: bool, cost: TPCost) -> _BlockSolution:
+def _solve_layer(
+    layer: LayerIR, ir: ModelIR, tp: int, sp: bool, solver: str, time_limit_s: float, allow_gather: bool, cost: TPCost
+) -> _BlockSolution:
     m = _Model(layer, ir, tp, sp, allow_gather, cost)
     attention = any(d["kind"] in ("attention", "matmul") for _, d in m.g.nodes(data=True))
     notes = []
     if attention and not m.heads_ok:
-        notes.append(f"{ir.num_heads} heads / {ir.num_kv_heads} kv heads do not divide by tp={tp}: attention runs "
-                     f"replicated")
+        notes.append(
+            f"{ir.num_heads} heads / {ir.num_kv_heads} kv heads do not divide by tp={tp}: attention runs replicated"
+        )
     if tp == 1:
         choice = {n: 0 for n in m.nodes}  # strategy 0 is replicated in every list
         gathered: set[str] = set()
@@ -449,25 +518,38 @@ def _solve_layer(layer: LayerIR, ir: ModelIR, tp: int, sp: bool, solver: str, ti
         prob = m.build()
         status = prob.solve(_solver(solver, time_limit_s))
         if pulp.LpStatus[status] != "Optimal":
-            hint = ("; attention must run replicated, which sequence parallelism cannot feed: use a tp dividing "
-                    "the head counts or no sequence parallelism") if sp and attention and not m.heads_ok else ""
-            raise Infeasible(f"no executable tensor-parallel sharding of {layer.name} at tp={tp}"
-                             f"{' with sequence parallelism' if sp else ''} (ILP {pulp.LpStatus[status]}){hint}")
-        choice = {n: next(i for i in range(len(m.strategies[n])) if (m.x[n, i].value() or 0) > 0.5)
-                  for n in m.nodes}
+            hint = (
+                (
+                    "; attention must run replicated, which sequence parallelism cannot feed: use a tp dividing "
+                    "the head counts or no sequence parallelism"
+                )
+                if sp and attention and not m.heads_ok
+                else ""
+            )
+            raise Infeasible(
+                f"no executable tensor-parallel sharding of {layer.name} at tp={tp}"
+                f"{' with sequence parallelism' if sp else ''} (ILP {pulp.LpStatus[status]}){hint}"
+            )
+        choice = {n: next(i for i in range(len(m.strategies[n])) if (m.x[n, i].value() or 0) > 0.5) for n in m.nodes}
         gathered = {u for u, v in m.gathered.items() if (v.value() or 0) > 0.5}
     return _read_solution(m, choice, gathered, ir, notes)
 
 
-def _read_solution(m: _Model, choice: dict[str, int], gathered: set[str], ir: ModelIR,
-                   notes: list[str]) -> _BlockSolution:
+def _read_solution(
+    m: _Model, choice: dict[str, int], gathered: set[str], ir: ModelIR, notes: list[str]
+) -> _BlockSolution:
     styles: dict[str, str] = {}
     layouts: dict[str, tuple[str, str]] = {}
     splits: dict[str, tuple[int, ...]] = {}
     colls: list[Collective] = []
     for u in gathered:  # the shared all-gather, attributed to the first linear that reads it
-        reader = next(v for v in m.nodes if m.is_linear(v) and m.strategies[v][choice[v]].gathers_input
-                      and (u in m.live_preds(v) or (u == "__input__" and not m.live_preds(v))))
+        reader = next(
+            v
+            for v in m.nodes
+            if m.is_linear(v)
+            and m.strategies[v][choice[v]].gathers_input
+            and (u in m.live_preds(v) or (u == "__input__" and not m.live_preds(v)))
+        )
         colls.append(Collective("all-gather", _linear_module(m.g.nodes[reader]), m.gather_bytes(u)))
     for n in m.nodes:
         k = m.strategies[n][choice[n]]
@@ -483,8 +565,11 @@ def _read_solution(m: _Model, choice: dict[str, int], gathered: set[str], ir: Mo
         elif m.sp and k.inp == Q and (d["kind"] == "norm" or d["weight"] is not None) and d["module"]:
             styles[d["module"]] = "sequence"
     order = {n: i for i, n in enumerate(m.g.nodes)}
-    colls.sort(key=lambda c: min((order[n] for n in m.nodes if _linear_module(m.g.nodes[n]) == c.module
-                                  and m.is_linear(n)), default=0))
+    colls.sort(
+        key=lambda c: min(
+            (order[n] for n in m.nodes if _linear_module(m.g.nodes[n]) == c.module and m.is_linear(n)), default=0
+        )
+    )
     return _BlockSolution(styles, layouts, splits, colls, notes)
 
 
@@ -507,14 +592,17 @@ def _splits(m: _Model, n: str, ir: ModelIR) -> tuple[int, ...]:
 
 # ------------------------------------------------------------------------------------------------- explanation
 
+
 def _with_explanation(r: TPSharding, ir: ModelIR, notes: list[str]) -> TPSharding:
     from dataclasses import replace
 
     if r.tp == 1:
         return replace(r, explanation="tp=1: every module replicated, no tensor-parallel collectives")
     blocks = ir.blocks
-    lines = [f"tp={r.tp}{' with sequence parallelism' if r.sequence_parallel else ''}: sharding chosen by an ILP "
-             f"over each block's dataflow graph ({r.solver}, {r.solve_seconds * 1e3:.0f} ms)"]
+    lines = [
+        f"tp={r.tp}{' with sequence parallelism' if r.sequence_parallel else ''}: sharding chosen by an ILP "
+        f"over each block's dataflow graph ({r.solver}, {r.solve_seconds * 1e3:.0f} ms)"
+    ]
     if blocks:
         b = blocks[0]
         colls = r.block_collectives(ir)
@@ -522,10 +610,9 @@ def _with_explanation(r: TPSharding, ir: ModelIR, notes: list[str]) -> TPShardin
         for c in colls:
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         what = ", ".join(f"{v} {k}{'s' if v > 1 else ''}" for k, v in kinds.items()) or "no collectives"
-        lines.append(f"per block forward: {what} ({sum(c.tensor_bytes for c in colls) / 2**20:.1f} MiB per "
-                     f"sample)")
+        lines.append(f"per block forward: {what} ({sum(c.tensor_bytes for c in colls) / 2**20:.1f} MiB per sample)")
         for style in ("colwise", "rowwise", "replicate", "sequence"):
-            mods = [f[len(b.name) + 1:] for f, s in r.styles.items() if s == style and f.startswith(b.name + ".")]
+            mods = [f[len(b.name) + 1 :] for f, s in r.styles.items() if s == style and f.startswith(b.name + ".")]
             if mods:
                 lines.append(f"  {style}: {', '.join(mods)}")
     vocab = [f for f, s in r.styles.items() if s == "vocab"]

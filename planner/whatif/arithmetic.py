@@ -12,6 +12,7 @@ end-to-end time ≈ 8·T·P / (n·X), X the achieved FLOP/s per GPU counted with
 forward pass: 2 + 4 + 2 = 8 FLOPs per parameter and token). mlm counts model FLOPs (no recompute, DESIGN.md), so
 the same estimate in mlm's accounting is 6·T·P / (n·X_model); `eq4_seconds` takes the factor explicitly.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,9 +58,16 @@ class TrainingTime:
         return None if self.usd_per_gpu_hour is None else self.gpu_hours * self.usd_per_gpu_hour
 
     def to_dict(self) -> dict[str, float | int | None]:
-        return {"tokens": self.tokens, "tokens_per_step": self.tokens_per_step, "steps": self.steps,
-                "seconds": self.seconds, "days": self.days, "gpu_hours": self.gpu_hours,
-                "usd_per_gpu_hour": self.usd_per_gpu_hour, "cost_usd": self.cost_usd}
+        return {
+            "tokens": self.tokens,
+            "tokens_per_step": self.tokens_per_step,
+            "steps": self.steps,
+            "seconds": self.seconds,
+            "days": self.days,
+            "gpu_hours": self.gpu_hours,
+            "usd_per_gpu_hour": self.usd_per_gpu_hour,
+            "cost_usd": self.cost_usd,
+        }
 
 
 @dataclass(frozen=True)
@@ -76,15 +84,27 @@ def check_tokens(tokens: float) -> float:
     return tokens
 
 
-def training_time(tokens: float, global_batch: int, seq_len: int, step_time_s: float, num_gpus: int,
-                  usd_per_gpu_hour: float | None = None) -> TrainingTime:
+def training_time(
+    tokens: float,
+    global_batch: int,
+    seq_len: int,
+    step_time_s: float,
+    num_gpus: int,
+    usd_per_gpu_hour: float | None = None,
+) -> TrainingTime:
     """Whole steps of global_batch·seq_len tokens until `tokens` are seen, at `step_time_s` each."""
     check_tokens(tokens)
     assert global_batch >= 1 and seq_len >= 1 and step_time_s > 0 and num_gpus >= 1
     per_step = global_batch * seq_len
     steps = math.ceil(tokens / per_step)
-    return TrainingTime(tokens=tokens, tokens_per_step=per_step, steps=steps, seconds=steps * step_time_s,
-                        num_gpus=num_gpus, usd_per_gpu_hour=usd_per_gpu_hour)
+    return TrainingTime(
+        tokens=tokens,
+        tokens_per_step=per_step,
+        steps=steps,
+        seconds=steps * step_time_s,
+        num_gpus=num_gpus,
+        usd_per_gpu_hour=usd_per_gpu_hour,
+    )
 
 
 def required_tokens_per_s(tokens: float, days: float) -> float:
@@ -95,8 +115,13 @@ def required_tokens_per_s(tokens: float, days: float) -> float:
     return tokens / (days * SECONDS_PER_DAY)
 
 
-def eq4_seconds(tokens: float, params: float, num_gpus: int, tflops_per_gpu: float,
-                flops_per_param_token: float = EQ4_FLOPS_PER_PARAM_TOKEN) -> float:
+def eq4_seconds(
+    tokens: float,
+    params: float,
+    num_gpus: int,
+    tflops_per_gpu: float,
+    flops_per_param_token: float = EQ4_FLOPS_PER_PARAM_TOKEN,
+) -> float:
     """Narayanan et al. 2021 Eq. 4: c·T·P / (n·X) seconds, X in TFLOP/s per GPU (c = 8 in the paper)."""
     assert tokens > 0 and params > 0 and num_gpus >= 1 and tflops_per_gpu > 0
     return flops_per_param_token * tokens * params / (num_gpus * tflops_per_gpu * 1e12)
@@ -109,8 +134,11 @@ def resolve_price(profile_name: str, profile_usd_per_gpu_hour: float, override: 
             raise PlanError(f"--usd-per-gpu-hour must be >= 0, got {override:g}")
         return Price(override, "--usd-per-gpu-hour")
     if profile_usd_per_gpu_hour > 0:
-        return Price(profile_usd_per_gpu_hour, f"GPU profile {profile_name} (usd_per_gpu_hour, a rough on-demand "
-                                               "list price; override with --usd-per-gpu-hour)")
+        return Price(
+            profile_usd_per_gpu_hour,
+            f"GPU profile {profile_name} (usd_per_gpu_hour, a rough on-demand "
+            "list price; override with --usd-per-gpu-hour)",
+        )
     return Price(None, f"GPU profile {profile_name} has no price; pass --usd-per-gpu-hour for costs")
 
 

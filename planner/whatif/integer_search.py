@@ -15,6 +15,7 @@ global batch and the pipeline split must divide N/tp, so N = 1032 can be slower 
 Largest model that fits: fits(k) is monotonic in the size knob k (memory grows with the model), so exponential
 growth from the base size then bisection finds the largest k with fits(k), bounded by k_max.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,9 +53,15 @@ class _Memo:
         return self.seen[n]
 
 
-def smallest_count_for_rate(rate: Rate, required: float, node: int, max_gpus: int, global_batch: int,
-                            scan_limit: int = 12, on_eval: Callable[[int], None] | None = None
-                            ) -> DeadlineSearch:
+def smallest_count_for_rate(
+    rate: Rate,
+    required: float,
+    node: int,
+    max_gpus: int,
+    global_batch: int,
+    scan_limit: int = 12,
+    on_eval: Callable[[int], None] | None = None,
+) -> DeadlineSearch:
     """Smallest multiple of `node` (or `node` itself) with rate >= required; see the module docstring."""
     assert required > 0 and node >= 1 and max_gpus >= 1 and scan_limit >= 0
 
@@ -82,8 +89,9 @@ def smallest_count_for_rate(rate: Rate, required: float, node: int, max_gpus: in
     best = hi_nodes * node if n is not None else None
     rated = [r / k for k, r in memo.seen.items() if r is not None]
     if not rated:
-        return DeadlineSearch(None, required, dict(memo.seen),
-                              notes=[f"no layout fits on any count tried up to {top} GPUs"])
+        return DeadlineSearch(
+            None, required, dict(memo.seen), notes=[f"no layout fits on any count tried up to {top} GPUs"]
+        )
     floor_nodes = max(1, math.ceil(required / max(rated) / node))
     window = [k * node for k in range(floor_nodes, hi_nodes) if k * node not in memo.seen]
     skipped = 0
@@ -96,8 +104,10 @@ def smallest_count_for_rate(rate: Rate, required: float, node: int, max_gpus: in
             best = c
             break
     how = "bracketed by doubling, bisected," if n is not None else f"doubling up to {top} GPUs found none;"
-    notes = [f"{how} then checked {len(window)} counts that per-GPU throughput seen so far allows"
-             + (f" ({skipped} less batch-friendly ones skipped)" if skipped else "")]
+    notes = [
+        f"{how} then checked {len(window)} counts that per-GPU throughput seen so far allows"
+        + (f" ({skipped} less batch-friendly ones skipped)" if skipped else "")
+    ]
     return DeadlineSearch(best, required, dict(memo.seen), skipped=skipped, notes=notes)
 
 
@@ -110,8 +120,9 @@ class GrowthSearch:
     tried: dict[int, bool]
 
 
-def largest_fitting(fits: Callable[[int], bool], k_start: int, k_min: int, k_max: int,
-                    on_eval: Callable[[int], None] | None = None) -> GrowthSearch:
+def largest_fitting(
+    fits: Callable[[int], bool], k_start: int, k_min: int, k_max: int, on_eval: Callable[[int], None] | None = None
+) -> GrowthSearch:
     """Largest k in [k_min, k_max] with fits(k), assuming fits is monotonic (True then False)."""
     assert 1 <= k_min <= k_start <= k_max
     tried: dict[int, bool] = {}

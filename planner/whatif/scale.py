@@ -9,6 +9,7 @@ step = lcm(8, kv heads): every tensor-parallel size up to a node (1, 2, 4, 8) di
 preset. Llama's FFN keeps the base ffn_dim/dim ratio, rounded to a multiple of 256; kv heads stay fixed (Llama 3
 keeps 8 at every size). The family is recognised by the factory's keyword arguments (a preset supplies them).
 """
+
 from __future__ import annotations
 
 import math
@@ -68,8 +69,10 @@ def find_family(args: dict[str, Any]) -> Family:
         if all(k in args for k in (fam.layers, fam.heads, fam.hidden)):
             return fam
     wanted = " or ".join(f"{f.layers}/{f.heads}/{f.hidden}" for f in FAMILIES)
-    raise PlanError(f"--max-params needs to know how to grow the model: use a gpt or llama preset, or pass its "
-                    f"size arguments ({wanted}) with --model-arg")
+    raise PlanError(
+        f"--max-params needs to know how to grow the model: use a gpt or llama preset, or pass its "
+        f"size arguments ({wanted}) with --model-arg"
+    )
 
 
 def knob_range(base: Base, scale: str) -> tuple[int, int, int]:

@@ -5,6 +5,7 @@ peak = the best measured rate, each curve = measured rate / peak. On CPU the "GP
 rates are fp32, memory is this machine's RAM divided among `world_size` ranks, links are loopback gloo.
 Collectives run in `world_size` local processes (fork + gloo on CPU, spawn + NCCL on CUDA) that are joined here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,17 @@ import os
 import re
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from mlm.planner.errors import PlanError
 from mlm.planner.cost.hardware import AttentionCurve, ClusterProfile, GemmCurve, GPUProfile, to_toml
+from mlm.planner.errors import PlanError
 
 Log = Callable[[str], None]
 GIB = float(1 << 30)
@@ -50,14 +52,25 @@ def settings_for(device: str, quick: bool) -> Settings:
     """Sizes that finish in seconds (quick) or ~20 s on a 2-core CPU, and large enough to fill a big GPU."""
     if device == "cuda":
         if quick:
-            return Settings((256, 512, 1024, 2048, 4096, 8192), (512, 2048, 8192), 16384, 16, 128,
-                            256 << 20, 64 << 20, 10, 0.1)
-        return Settings((128, 256, 512, 1024, 2048, 4096, 8192, 16384), (512, 1024, 2048, 4096, 8192, 16384),
-                        32768, 16, 128, 1 << 30, 256 << 20, 20, 0.3)
+            return Settings(
+                (256, 512, 1024, 2048, 4096, 8192), (512, 2048, 8192), 16384, 16, 128, 256 << 20, 64 << 20, 10, 0.1
+            )
+        return Settings(
+            (128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            (512, 1024, 2048, 4096, 8192, 16384),
+            32768,
+            16,
+            128,
+            1 << 30,
+            256 << 20,
+            20,
+            0.3,
+        )
     if quick:
         return Settings((64, 128, 256, 512, 1024), (128, 256, 512), 2048, 4, 64, 256 << 20, 8 << 20, 4, 0.1)
-    return Settings((64, 128, 256, 512, 1024, 2048), (128, 256, 512, 1024, 2048), 4096, 8, 64,
-                    256 << 20, 64 << 20, 8, 0.4)
+    return Settings(
+        (64, 128, 256, 512, 1024, 2048), (128, 256, 512, 1024, 2048), 4096, 8, 64, 256 << 20, 64 << 20, 8, 0.4
+    )
 
 
 @dataclass(frozen=True)
@@ -198,8 +211,9 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=_PG_TIMEOUT)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=_PG_TIMEOUT
+    )
     try:
         n = nbytes // 4 // world * world
         x = torch.ones(n, device=device)
@@ -221,12 +235,14 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
         t_lat = _timed(lambda: dist.all_reduce(tiny), device, 4 * iters)
         if rank == 0:
             size = 4.0 * n
-            queue.put({
-                "send_recv_gbps": 2 * size / t_pp / 1e9,
-                "all_reduce_gbps": size / t_ar * 2 * (world - 1) / world / 1e9,
-                "all_gather_gbps": size / t_ag * (world - 1) / world / 1e9,
-                "latency_us": t_lat * 1e6,
-            })
+            queue.put(
+                {
+                    "send_recv_gbps": 2 * size / t_pp / 1e9,
+                    "all_reduce_gbps": size / t_ar * 2 * (world - 1) / world / 1e9,
+                    "all_gather_gbps": size / t_ag * (world - 1) / world / 1e9,
+                    "latency_us": t_lat * 1e6,
+                }
+            )
     finally:
         dist.destroy_process_group()
 
@@ -252,8 +268,10 @@ def measure_collectives(device: str, world: int, nbytes: int, iters: int) -> Col
     queue = ctx.SimpleQueue()
     port = _free_port()
     with _env(OMP_NUM_THREADS="1"):
-        procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, nbytes, iters, queue))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_collective_worker, args=(r, world, port, backend, nbytes, iters, queue))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
     deadline = time.monotonic() + _JOIN_TIMEOUT_S
@@ -265,11 +283,12 @@ def measure_collectives(device: str, world: int, nbytes: int, iters: int) -> Col
         p.join()
     failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
     if failed or queue.empty():
-        raise PlanError(f"the {backend} collective test among {world} local processes failed "
-                        f"(rank, exit code: {failed}); see the workers' messages above, or try a smaller --world-size")
+        raise PlanError(
+            f"the {backend} collective test among {world} local processes failed "
+            f"(rank, exit code: {failed}); see the workers' messages above, or try a smaller --world-size"
+        )
     r = queue.get()
-    return Collectives(backend, world, r["send_recv_gbps"], r["all_reduce_gbps"], r["all_gather_gbps"],
-                       r["latency_us"])
+    return Collectives(backend, world, r["send_recv_gbps"], r["all_reduce_gbps"], r["all_gather_gbps"], r["latency_us"])
 
 
 def measure_host_link(nbytes: int, min_time_s: float) -> Collectives:
@@ -367,8 +386,21 @@ def measure(device: str, quick: bool, world_size: int, log: Log) -> Measurement:
     if device == "cuda":
         outside_torch = total - torch.cuda.mem_get_info(dev)[0] - torch.cuda.memory_reserved(dev)
         reserve_gib = max(reserve_gib, outside_torch / GIB)
-    return Measurement(device, name, str(dtype).removeprefix("torch."), tuple(curve), fp16, fp32, tf32, copy, add,
-                       tuple(attn), coll, memory_gib, reserve_gib)
+    return Measurement(
+        device,
+        name,
+        str(dtype).removeprefix("torch."),
+        tuple(curve),
+        fp16,
+        fp32,
+        tf32,
+        copy,
+        add,
+        tuple(attn),
+        coll,
+        memory_gib,
+        reserve_gib,
+    )
 
 
 # ---- profiles from a measurement ---------------------------------------------------------------------------------
@@ -393,19 +425,35 @@ def build_profiles(m: Measurement, name: str, cluster_ref: str, gpu_ref: str) ->
     link_eff = _sig(min(1.0, min(c.all_reduce_gbps, c.all_gather_gbps) / c.send_recv_gbps))
     link, latency = _sig(c.send_recv_gbps), _sig(c.latency_us)
     gpu = GPUProfile(
-        name=name, bf16_tflops=peak, fp16_tflops=_sig(m.fp16_tflops), fp32_tflops=_sig(m.fp32_tflops),
-        tf32_tflops=_sig(m.tf32_tflops), hbm_gib=_sig(m.memory_gib), hbm_gbps=_sig(m.copy_gbps), nvlink_gbps=link,
-        usd_per_gpu_hour=0.0, default_cluster=cluster_ref,
+        name=name,
+        bf16_tflops=peak,
+        fp16_tflops=_sig(m.fp16_tflops),
+        fp32_tflops=_sig(m.fp32_tflops),
+        tf32_tflops=_sig(m.tf32_tflops),
+        hbm_gib=_sig(m.memory_gib),
+        hbm_gbps=_sig(m.copy_gbps),
+        nvlink_gbps=link,
+        usd_per_gpu_hour=0.0,
+        default_cluster=cluster_ref,
         memory_bound_efficiency=_sig(min(1.0, m.elementwise_gbps / m.copy_gbps)),
-        gemm_curve=GemmCurve(tuple(float(n) for n, _ in m.matmul_tflops),
-                             tuple(_sig(min(1.0, r / raw_peak)) for _, r in m.matmul_tflops)),
-        attention_curve=AttentionCurve(tuple(float(s) for s, _ in m.attention_tflops),
-                                       tuple(_sig(min(1.0, r / raw_peak)) for _, r in m.attention_tflops)),
+        gemm_curve=GemmCurve(
+            tuple(float(n) for n, _ in m.matmul_tflops), tuple(_sig(min(1.0, r / raw_peak)) for _, r in m.matmul_tflops)
+        ),
+        attention_curve=AttentionCurve(
+            tuple(float(s) for s, _ in m.attention_tflops),
+            tuple(_sig(min(1.0, r / raw_peak)) for _, r in m.attention_tflops),
+        ),
     )
     cluster = ClusterProfile(
-        name=f"{name}-local", gpu=gpu_ref, gpus_per_node=max(1, c.world_size),
-        intra_node_gbps=link, intra_node_latency_us=latency, intra_node_collective_efficiency=link_eff,
-        inter_node_gbps=link, inter_node_latency_us=latency, inter_node_collective_efficiency=link_eff,
+        name=f"{name}-local",
+        gpu=gpu_ref,
+        gpus_per_node=max(1, c.world_size),
+        intra_node_gbps=link,
+        intra_node_latency_us=latency,
+        intra_node_collective_efficiency=link_eff,
+        inter_node_gbps=link,
+        inter_node_latency_us=latency,
+        inter_node_collective_efficiency=link_eff,
         memory_reserve_gib=max(_sig(m.reserve_gib), 1e-3),
     )
     source = f"measured profile '{name}'"  # the loader's strict checks, so a bad figure fails here, not in mlm-plan
@@ -416,31 +464,43 @@ def render(m: Measurement, gpu: GPUProfile, cluster: ClusterProfile) -> tuple[st
     """The two profiles as TOML text, with comments saying what each number is."""
     when = time.strftime("%Y-%m-%d %H:%M")
     c = m.collectives
-    cpu_note = ("\nOn CPU every *_tflops key holds the measured fp32 rate (the runtime computes in fp32 on CPU),"
-                f"\nand hbm_gib is this machine's RAM / {c.world_size} ranks." if m.device == "cpu" else "")
-    gpu_header = (f"Measured by mlm-profile on {when}: {m.device_name} ({m.device}, GEMM curve in {m.dtype}).\n"
-                  "Strict key set of mlm/planner/cost/hardware.py; peak = best measured rate, curves = rate / peak."
-                  + cpu_note)
+    cpu_note = (
+        "\nOn CPU every *_tflops key holds the measured fp32 rate (the runtime computes in fp32 on CPU),"
+        f"\nand hbm_gib is this machine's RAM / {c.world_size} ranks."
+        if m.device == "cpu"
+        else ""
+    )
+    gpu_header = (
+        f"Measured by mlm-profile on {when}: {m.device_name} ({m.device}, GEMM curve in {m.dtype}).\n"
+        "Strict key set of mlm/planner/cost/hardware.py; peak = best measured rate, curves = rate / peak." + cpu_note
+    )
     gpu_comments = {
         "bf16_tflops": f"best {m.dtype} GEMM rate measured (n = {max(m.matmul_tflops, key=lambda p: p[1])[0]})",
         "hbm_gib": "total device memory" + (" per rank" if m.device == "cpu" else ""),
         "hbm_gbps": "large tensor copy, bytes read + written per second",
-        "nvlink_gbps": ("pinned host-to-device copy (one GPU, no peer)" if c.world_size < 2
-                        else f"send/recv between 2 local ranks ({c.backend}), one direction"),
+        "nvlink_gbps": (
+            "pinned host-to-device copy (one GPU, no peer)"
+            if c.world_size < 2
+            else f"send/recv between 2 local ranks ({c.backend}), one direction"
+        ),
         "usd_per_gpu_hour": "unknown: set your price",
         "default_cluster": "written next to this file by mlm-profile --out",
         "memory_bound_efficiency": f"c = a + b bandwidth / copy bandwidth ({m.elementwise_gbps:.1f} GB/s)",
         "gemm_curve": "n x n x n GEMMs; size = geometric mean of (m, n, k)",
         "attention_curve": "causal SDPA fwd+bwd, FLOPs 7*b*h*s^2*d, over bf16_tflops",
     }
-    cluster_header = (f"Measured by mlm-profile on {when}: {c.world_size} local ranks, {c.backend}.\n"
-                      "One machine only: the inter_node_* keys copy the intra-node figures; edit them for a "
-                      "multi-node cluster.")
+    cluster_header = (
+        f"Measured by mlm-profile on {when}: {c.world_size} local ranks, {c.backend}.\n"
+        "One machine only: the inter_node_* keys copy the intra-node figures; edit them for a "
+        "multi-node cluster."
+    )
     cluster_comments = {
         "intra_node_gbps": "send/recv ping-pong, one direction",
         "intra_node_latency_us": "one-element all_reduce",
-        "intra_node_collective_efficiency": (f"min(all_reduce {c.all_reduce_gbps:.2f}, all_gather "
-                                             f"{c.all_gather_gbps:.2f} GB/s bus bandwidth) / intra_node_gbps"),
+        "intra_node_collective_efficiency": (
+            f"min(all_reduce {c.all_reduce_gbps:.2f}, all_gather "
+            f"{c.all_gather_gbps:.2f} GB/s bus bandwidth) / intra_node_gbps"
+        ),
         "memory_reserve_gib": "memory in use before mlm's work (other processes, runtime/CUDA context) per rank",
     }
     return (to_toml(gpu, gpu_comments, gpu_header), to_toml(cluster, cluster_comments, cluster_header))

@@ -1,5 +1,5 @@
 """Model files that fail in the ways users' files fail; each factory is selected with --entry."""
-import torch
+
 from torch import nn
 
 

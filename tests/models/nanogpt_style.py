@@ -1,4 +1,5 @@
 """nanoGPT's model as users write it: shape control flow, optional targets, a loss returned from forward."""
+
 import math
 
 import torch

@@ -1,2 +1,1 @@
-import torch
 x = 1

@@ -1,5 +1,6 @@
 """The gpt preset, slowed down: each forward of the first block sleeps MLM_TEST_SLEEP_S seconds (default 0), so
 reliability tests can kill or signal a worker in the middle of a step. Same parameters and FQNs as the preset."""
+
 import os
 import time
 

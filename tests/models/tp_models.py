@@ -1,4 +1,5 @@
 """Small models for the tensor-parallel sharding ILP: MLP blocks of unusual shape and a block with two branches."""
+
 from __future__ import annotations
 
 import torch
@@ -54,12 +55,12 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_chain(dim: int = 1024, widths: tuple[int, ...] = (3, 5), n_layers: int = 2, vocab: int = 256,
-                seq: int = 512) -> nn.Module:
+def build_chain(
+    dim: int = 1024, widths: tuple[int, ...] = (3, 5), n_layers: int = 2, vocab: int = 256, seq: int = 512
+) -> nn.Module:
     """widths are multiples of dim: (3, 5) gives dim -> 3 dim -> 5 dim -> dim."""
     return Net([ChainBlock(dim, tuple(w * dim for w in widths)) for _ in range(n_layers)], dim, vocab, seq)
 
 
-def build_branch(dim: int = 1024, hidden: int = 4096, n_layers: int = 2, vocab: int = 256,
-                 seq: int = 512) -> nn.Module:
+def build_branch(dim: int = 1024, hidden: int = 4096, n_layers: int = 2, vocab: int = 256, seq: int = 512) -> nn.Module:
     return Net([BranchBlock(dim, hidden) for _ in range(n_layers)], dim, vocab, seq)

@@ -2,6 +2,7 @@
 
 A model.py-convention file: `build_model(**kwargs)` returns the model.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@ Sources: GPT-2 124M (Radford et al. 2019, nanoGPT's config); GPT-3 175B (Brown e
 V=51200 and s=2048 as in Narayanan et al. 2021); Llama 3 8B/70B/405B (Llama Team 2024, "The Llama 3 Herd of
 Models", Table 3); megatron-* are the rows of Narayanan et al. 2021 Table 1 (s=2048, V=51200).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,20 +20,36 @@ class Preset:
 
 
 def _megatron(heads: int, hidden: int, layers: int, batch: int, label: str) -> Preset:
-    return Preset("gpt.py", dict(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=51200, block_size=2048,
-                                 bias=True), batch, f"Megatron-LM {label} GPT (Narayanan et al. 2021, Table 1)")
+    return Preset(
+        "gpt.py",
+        dict(n_layer=layers, n_head=heads, n_embd=hidden, vocab_size=51200, block_size=2048, bias=True),
+        batch,
+        f"Megatron-LM {label} GPT (Narayanan et al. 2021, Table 1)",
+    )
 
 
 def _llama(dim: int, layers: int, heads: int, ffn: int, batch: int, label: str) -> Preset:
-    return Preset("llama.py", dict(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8, vocab_size=128256,
-                                   ffn_dim=ffn, max_seq_len=8192), batch, f"Llama 3 {label} (Llama Team 2024)")
+    return Preset(
+        "llama.py",
+        dict(dim=dim, n_layers=layers, n_heads=heads, n_kv_heads=8, vocab_size=128256, ffn_dim=ffn, max_seq_len=8192),
+        batch,
+        f"Llama 3 {label} (Llama Team 2024)",
+    )
 
 
 PRESETS: dict[str, Preset] = {
-    "gpt2": Preset("gpt.py", dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024), 512,
-                   "GPT-2 124M (nanoGPT configuration)"),
-    "gpt3-175b": Preset("gpt.py", dict(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048),
-                        1536, "GPT-3 175B (Brown et al. 2020; V=51200, s=2048 as in Narayanan et al. 2021)"),
+    "gpt2": Preset(
+        "gpt.py",
+        dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024),
+        512,
+        "GPT-2 124M (nanoGPT configuration)",
+    ),
+    "gpt3-175b": Preset(
+        "gpt.py",
+        dict(n_layer=96, n_head=96, n_embd=12288, vocab_size=51200, block_size=2048),
+        1536,
+        "GPT-3 175B (Brown et al. 2020; V=51200, s=2048 as in Narayanan et al. 2021)",
+    ),
     "llama3-8b": _llama(4096, 32, 32, 14336, 512, "8B"),
     "llama3-70b": _llama(8192, 80, 64, 28672, 1024, "70B"),
     "llama3-405b": _llama(16384, 126, 128, 53248, 2048, "405B"),

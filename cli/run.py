@@ -78,6 +78,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="restart failed workers up to N times (torchrun's elastic agent); each restart continues "
         "from the latest checkpoint in --save",
     )
+    p.add_argument(
+        "--simulate-locally",
+        action="store_true",
+        help="start all of the plan's processes on this machine's CPU even when it cannot host them (more ranks "
+        "than GPUs or cores, or more memory than it has by the plan's prediction); without it such a plan is "
+        "refused with the torchrun and sbatch lines for the cluster",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -141,11 +148,9 @@ def _device(args: argparse.Namespace) -> str:
 
 def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
     """Check everything that can be checked before starting processes, then launch (or explain how)."""
-    import torch
-
     from mlm.planner.plan import load_plan
     from mlm.runtime.data import TokenSource
-    from mlm.runtime.launch import cluster_commands
+    from mlm.runtime.launch import check_host
     from mlm.runtime.model_build import load_checked_spec
     from mlm.runtime.train import check_plan_runnable
 
@@ -153,6 +158,9 @@ def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
         raise PlanError("--max-restarts needs --save DIR: restarted workers continue from its latest checkpoint")
     plan = load_plan(args.plan)
     check_plan_runnable(plan)
+    device = _device(args)
+    if not args.simulate_locally:
+        check_host(plan, device, raw)  # before anything slow: a plan this machine cannot host exits 2 at once
     load_checked_spec(plan)
     TokenSource(
         plan.model.vocab_size, plan.training.seq_len, plan.training.global_batch, args.seed, args.data, args.data_dtype
@@ -161,17 +169,7 @@ def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
         from mlm.runtime.checkpoint import read_meta
 
         read_meta(args.resume)  # a clear error now rather than from every rank
-    device = _device(args)
     world = plan.layout.world_size
-    if device == "cuda" and torch.cuda.device_count() < world:
-        torchrun, sbatch = cluster_commands(world, plan.cluster.gpus_per_node, raw)
-        console.print(
-            f"mlm-run: the plan needs {world} GPUs; this machine has {torch.cuda.device_count()}. "
-            f"Launch it on the cluster:\n  on every node: {torchrun}\n  with SLURM:    {sbatch}",
-            highlight=False,
-            soft_wrap=True,
-        )
-        return 2
     if world == 1 and not args.max_restarts:
         from mlm.runtime.launch import init_single_process
 
@@ -255,7 +253,9 @@ def _last_checkpoint(args: argparse.Namespace) -> str:
 
 
 def _worker(args: argparse.Namespace, console: Console) -> int:
-    from mlm.runtime.launch import STATE_ENV, init_distributed, restart_count
+    from mlm.runtime.launch import STATE_ENV, die_with_launcher, init_distributed, restart_count
+
+    die_with_launcher()  # the kernel ends this worker if the launching agent dies, even by SIGKILL
 
     state = os.environ.get(STATE_ENV)
     if restart_count() > 0 and state and (Path(state) / "bad-input").is_file():

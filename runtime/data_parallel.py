@@ -1,7 +1,12 @@
 """Data parallelism and optimizer sharding per the plan's zero stage, and activation recompute per stage.
 
 Which wrapper (each rule is a trap seen with torch 2.13, see issue 6):
-- DDP only when dp > 1, tp == 1, zero == 0 and the schedule is not zero-bubble: DDP around a tensor-parallel stage
+- Under pp > 1 with zero 0 and tp == 1: torch's FSDP2-based replicate() (DDP semantics: whole parameters and an
+  fp32 gradient all-reduce over dp). Plain DDP inside a torch.distributed.pipelining stage crashes at step 2 with
+  torch 2.13 (reducer "rebuilt parameter indices size is not same as original model parameters size": the
+  schedule's per-micro-batch backward marks every parameter ready once per micro-batch while the bucket order is
+  being recorded); replicate() is an FSDPModule, whose gradient sync the pipelining stage drives per micro-batch.
+- DDP only when dp > 1, pp == 1, tp == 1, zero == 0 and the schedule is not zero-bubble: DDP around a TP stage
   fails ("aten.cat.default got mixed torch.Tensor and DTensor") and DDP with a zero-bubble schedule trips a reducer
   INTERNAL ASSERT.
 - Otherwise FSDP2 (fully_shard over the dp mesh axis, composed with TP's DTensors on the same mesh). zero 3 shards
@@ -29,7 +34,7 @@ ZERO_BUBBLE_SCHEDULES = ("zbv", "interleaved-zero-bubble", "dualpipev")
 
 @dataclass(frozen=True)
 class DataParallelChoice:
-    wrapper: Literal["none", "ddp", "fsdp"]
+    wrapper: Literal["none", "ddp", "replicate", "fsdp"]
     reshard_after_forward: bool
 
 
@@ -39,7 +44,7 @@ def choose_data_parallel(layout: Layout, schedule: str) -> DataParallelChoice:
         return DataParallelChoice("none", False)
     zero_bubble = schedule in ZERO_BUBBLE_SCHEDULES
     if layout.tp == 1 and layout.zero == 0 and not zero_bubble:
-        return DataParallelChoice("ddp", False)
+        return DataParallelChoice("ddp" if layout.pp == 1 else "replicate", False)
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 
 
@@ -53,6 +58,14 @@ def apply_data_parallel(
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(stage, process_group=dp_mesh.get_group())
+    if choice.wrapper == "replicate":
+        try:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+        except ImportError:  # a torch without it: FSDP2 without resharding computes the same gradients
+            choice = DataParallelChoice("fsdp", False)
+        else:
+            replicate(stage, mesh=dp_mesh)
+            return stage
     from torch.distributed.fsdp import fully_shard
 
     shared = _params_shared_between(layer_modules)

@@ -23,6 +23,7 @@ def test_data_parallel_choice_avoids_the_known_traps() -> None:
     # DDP only for tp == 1, zero 0 and a non-zero-bubble schedule (DDP + TP: mixed Tensor/DTensor; DDP + ZB:
     # reducer assert); under pp > 1 FSDP never reshards after forward (ZB schedules give wrong grads otherwise)
     assert choose_data_parallel(Layout(dp=2), "1f1b").wrapper == "ddp"
+    assert choose_data_parallel(Layout(dp=2, pp=2), "1f1b").wrapper == "replicate"  # DDP crashes inside a stage
     assert choose_data_parallel(Layout(dp=2, tp=2), "none").wrapper == "fsdp"
     assert choose_data_parallel(Layout(dp=2, pp=2), "zbv").wrapper == "fsdp"
     assert choose_data_parallel(Layout(dp=2, pp=2, zero=3), "zbv").reshard_after_forward is False

@@ -7,7 +7,7 @@ import pytest
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.cost.hardware import resolve
-from mlm.planner.cost.memory import activation_bytes, bytes_per_param, state_bytes
+from mlm.planner.cost.memory import activation_bytes, state_bytes
 from mlm.planner.cost.step_time import evaluate, summarize
 from mlm.planner.layout import Layout
 
@@ -44,18 +44,39 @@ def test_activations_match_korthikanti(plain_gpt_block, recompute, tp, sp, formu
         assert got == pytest.approx(formula, rel=0.05)
 
 
-def test_default_sdpa_block_keeps_no_scores():
-    block = summarize(capture(load_model_spec("gpt3-175b"))).block
-    assert block.act_core == 0.0
-    assert activation_bytes(block, "none", 1, False, 1) / (S * H) == pytest.approx(26.03 + 8.0, rel=0.01)
+def test_sdpa_block_activations_against_tensors_autograd_saves():
+    """A measured run: the bytes autograd actually saves for one bf16 GPT block (SDPA) on CPU, counted with
+    saved_tensors_hooks (unique storages, parameters excluded), against the model's count from the capture.
+    Measured 32.08 sbh; the model says 34.09 sbh (conservative by 2 sbh, about 6%)."""
+    import torch
+
+    from mlm.planner.capture.presets.gpt import GPT, GPTConfig
+
+    seq, h, cfg = 256, 512, dict(n_head=8, n_embd=512, vocab_size=1000, block_size=256)
+    torch.manual_seed(0)
+    block = GPT(GPTConfig(n_layer=1, **cfg)).to(torch.bfloat16).transformer.h[0]
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    model = activation_bytes(
+        summarize(capture(load_model_spec("gpt2", args=dict(n_layer=2, **cfg)))).block, "none", 1, False, 1
+    )
+    assert measured <= model <= 1.08 * measured
 
 
-def test_state_bytes_mixed_precision_adam():
-    assert bytes_per_param(0, 8) == 16.0
-    assert bytes_per_param(1, 8) == pytest.approx(4 + 12 / 8)
-    assert bytes_per_param(3, 8) == pytest.approx(16 / 8)
-    s = state_bytes(1e9, 1, 4)
-    assert (s.params, s.grads, s.optimizer) == (2e9, 2e9, 3e9)
+def test_state_bytes_match_zero_paper_figure_1():
+    """Rajbhandari et al. 2020 (ZeRO), Figure 1: 7.5B parameters on 64 GPUs, K = 12: 120 GB, 31.4 GB (P_os),
+    1.9 GB (P_os+g+p) of model states per GPU."""
+    for zero, published in ((0, 120.0), (1, 31.4), (3, 1.9)):
+        assert state_bytes(7.5e9, zero, 64).static / 1e9 == pytest.approx(published, abs=0.05)
 
 
 @pytest.mark.parametrize("pp", [8, 12, 16])

@@ -1,0 +1,100 @@
+"""mlm-run's single-process step time beside a plain PyTorch loop on the same model, batch, micro-batches and
+optimizer (a 4-layer GPT, 8 x 128 tokens in 4 micro-batches of 2, AdamW, gradient clipping), both on CPU fp32.
+
+The overhead is what the runtime adds to a hand-written gradient-accumulation loop (stage wrapper, the per-step
+all-reduce of loss and flags, the global-norm computation, data slicing). Prints the median of the timed steps.
+
+    python benchmarks/bench_runtime.py [--steps 12] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from test_runtime_harness import GPT_FILE, make_plan  # noqa: E402
+
+from mlm.planner.capture.loader import load_model_spec  # noqa: E402
+from mlm.planner.capture.training_step import TrainingModule  # noqa: E402
+from mlm.runtime.data import TokenSource  # noqa: E402
+from mlm.runtime.optim import lr_factor  # noqa: E402
+from mlm.runtime.train import RunOptions, train  # noqa: E402
+
+SEQ, BATCH, MICRO = 128, 8, 4
+ARGS = dict(n_layer=4, n_head=4, n_embd=256, vocab_size=2048, block_size=SEQ, dropout=0.0)
+
+
+def plain_loop(opts: RunOptions) -> tuple[list[float], list[float]]:
+    """The same training step written by hand: accumulate 4 micro-batch gradients, clip, AdamW."""
+    spec = load_model_spec(str(GPT_FILE), "build_model", ARGS)
+    torch.manual_seed(opts.seed)
+    step_fn = TrainingModule(spec.factory(**ARGS))
+    params = list(step_fn.parameters())
+    opt = torch.optim.AdamW(params, lr=opts.lr)
+    source = TokenSource(vocab=ARGS["vocab_size"], seq_len=SEQ, global_batch=BATCH, seed=opts.seed)
+    warmup = max(1, opts.steps // 10)
+    times, losses = [], []
+    for step in range(opts.steps):
+        start = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = opts.lr * lr_factor(step, warmup, opts.steps)
+        inputs, targets = source.batch(step, 0, 1, torch.device("cpu"))
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for inp, tgt in zip(inputs.chunk(MICRO), targets.chunk(MICRO)):
+            loss = step_fn(inp, tgt)
+            (loss / MICRO).backward()
+            total += loss.item() / MICRO
+        torch.nn.utils.clip_grad_norm_(params, opts.max_grad_norm)
+        opt.step()
+        times.append(time.perf_counter() - start)
+        losses.append(total)
+    return times, losses
+
+
+def runtime_loop(opts: RunOptions) -> tuple[list[float], list[float]]:
+    plan = make_plan("gpt", micro_batch=BATCH // MICRO, num_microbatches=MICRO, args=ARGS)
+    plan = dataclasses.replace(
+        plan,
+        training=dataclasses.replace(plan.training, seq_len=SEQ),
+        model=dataclasses.replace(plan.model, vocab_size=ARGS["vocab_size"], hidden_size=ARGS["n_embd"]),
+    )
+    rt = train(plan, opts)
+    return [r.step_time_s for r in rt.records], [r.loss for r in rt.records]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    opts = RunOptions(steps=args.steps, optimizer="adamw", lr=3e-4, seed=0, max_grad_norm=1.0)
+    results, losses = {}, {}
+    for name, fn in (("plain", plain_loop), ("mlm-run", runtime_loop), ("plain again", plain_loop)):
+        times, losses[name] = fn(opts)
+        results[name] = statistics.median(times[args.warmup :])
+        print(f"{name:12s} median step {results[name] * 1e3:8.1f} ms", flush=True)
+    worst = max(abs(a - b) for a, b in zip(losses["plain"], losses["mlm-run"]))
+    print("plain", [round(x, 4) for x in losses["plain"]][:4], "mlm-run", [round(x, 4) for x in losses["mlm-run"]][:4])
+    print(f"same computation: largest loss difference over {args.steps} steps {worst:.2e}")
+    dist.destroy_process_group()
+    plain = min(results["plain"], results["plain again"])
+    print(f"overhead of mlm-run over the faster plain run: {100 * (results['mlm-run'] / plain - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()

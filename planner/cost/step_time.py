@@ -383,7 +383,10 @@ def _dp_time(
             grad_bytes = 2.0 * ranks.params[rank]
             backward = ranks.backward[rank] + ranks.recompute[rank]
             if layout.zero >= 3:
-                per_mb = 2.0 * all_gather_s(grad_bytes, dp, link) + reduce_scatter_s(grad_bytes, dp, link)
+                # FSDP gathers the parameters for the forward, again for a fully recomputed forward, and for the
+                # backward, then reduce-scatters the gradients
+                gathers = 3.0 if layout.recompute == "full" else 2.0
+                per_mb = gathers * all_gather_s(grad_bytes, dp, link) + reduce_scatter_s(grad_bytes, dp, link)
                 t = m * max(0.0, per_mb - options.dp_overlap * (ranks.forward[rank] + backward))
             else:
                 comm = (

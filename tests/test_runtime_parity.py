@@ -5,7 +5,8 @@ Coverage: the nanoGPT-style GPT preset gets the full matrix — (tp, pp, dp) = (
 The Llama preset (RMSNorm, SwiGLU, RoPE, GQA) and HF GPT-2 (Conv1D, built from a config) get a representative
 subset: TP with and without SP, PP, DP and one composition each; nanoGPT as users write it (loss
 returned by forward(idx, targets)) gets (2,2,1). Several plans share one group of forked
-processes to keep the suite fast on two cores. Clipping is active (max norm 0.5 < the gradient norm), so the
+processes to keep the suite fast on two cores. pp2 x dp2 with zero 0 (replicate()) is checked for 5 steps
+under SGD and AdamW in its own test. Clipping is active (max norm 0.5 < the gradient norm), so the
 global-norm reduction over mixed DTensor / plain gradients and over the pp group is exercised.
 """
 

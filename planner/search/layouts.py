@@ -194,7 +194,10 @@ def _solve(
 ) -> Candidate | None:
     """The stage MILP's assignment for `layout`, scored by the cost model; None if it does not fit. A solution
     that recomputes no block is reported as recompute "none" (the same time and memory, and what it really is)."""
-    solution = solve_stages(stage_problem(inputs, layout, gpu, cluster), request.solver, request.time_limit_s)
+    problem = stage_problem(inputs, layout, gpu, cluster)
+    if request.recompute is not None and layout.recompute != "none":  # a pin holds: no block left out
+        problem = replace(problem, recompute_all=True)
+    solution = solve_stages(problem, request.solver, request.time_limit_s)
     if solution is None:
         return None
     recompute: tuple[int, ...] | None = solution.recompute_blocks

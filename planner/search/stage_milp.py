@@ -7,7 +7,7 @@ Formulation (S = pp·vpp virtual stages; virtual stage i runs on pipeline rank �
                 U, M_p ≥ 0  (vpp > 1) the busiest rank's time; rank p's heaviest chunk
     minimise    T + ε·Σ r_i + δ·(U + Σ_p M_p)     (ε: recompute only where memory needs it; δ: tie-breaks)
     subject to  Σ_i n_i = L                                         (every block placed once)
-                1 ≤ n_i (when L ≥ S),   r_i ≤ n_i                   (non-empty stages; recompute ⊆ blocks)
+                1 ≤ n_i (when L ≥ S),   r_i ≤ n_i  (= n_i when the user pinned recompute: a pin holds)
                 τ_i = n_i·t_b + r_i·t_r + [i=0]·t_pre + [i=S−1]·t_post     (virtual stage time)
                 Σ_{i: ρ(i)=p} τ_i ≤ T  ∀ ranks p,     vpp·τ_i ≤ T  ∀ i (interleaved: chunks balanced)
                 Σ_{i: ρ(i)=p} τ_i ≤ U,   τ_i ≤ M_ρ(i)                     (vpp > 1 only)
@@ -56,6 +56,7 @@ class StageProblem:
     inflight: tuple[float, ...]  # per virtual stage
     capacity_bytes: float
     allow_recompute: bool = True
+    recompute_all: bool = False  # recompute pinned by the user: every block recomputes (r_i = n_i)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ def _placement(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:
     prob += pulp.lpSum(n) == p.num_blocks
     for ni, ri in zip(n, r):
         prob += ri <= ni
+        if p.recompute_all:
+            prob += ri == ni
 
 
 def _ranks(p: StageProblem) -> list[list[int]]:

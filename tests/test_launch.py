@@ -44,7 +44,10 @@ def test_malformed_host_lists_are_refused(bad: str) -> None:
 
 def test_master_addr_is_the_first_host(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # set, then delete: monkeypatch records only keys that exist, and adopt_slurm_env writes these five
+        # into os.environ, where they would make every later in-process run rendezvous with node001
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_PROCID", "3")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_NODELIST", "node[001-004,010]")

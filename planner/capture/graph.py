@@ -85,6 +85,7 @@ class ModelIR:
     capture_method: str  # "symbolic_trace" | "export" (+ " (one block, replicated xN)")
     capture_seconds: float
     tied_embeddings: bool = False
+    warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
 
     @property
     def blocks(self) -> tuple[LayerIR, ...]:

@@ -27,7 +27,7 @@ from mlm.planner.capture.presets.gpt import GPT, CausalSelfAttention, GPTConfig
 from mlm.planner.capture.presets.registry import PRESETS
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.inputs import ModelCostInputs
-from mlm.planner.cost.step_time import CostOptions, Evaluation, evaluate, summarize
+from mlm.planner.cost.step_time import MEGATRON_2021, CostOptions, Evaluation, evaluate, summarize
 from mlm.planner.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -100,7 +100,7 @@ def calibrate_row(
     row: dict[str, str],
     gpu: GPUProfile,
     cluster: ClusterProfile,
-    options: CostOptions = CostOptions(),
+    options: CostOptions = MEGATRON_2021,
 ) -> CalibrationRow:
     """Best fitting layout for one row and its Eq. 3 TFLOP/s per GPU."""
     layers, hidden = int(row["layers"]), int(row["hidden"])
@@ -154,7 +154,7 @@ def preset_name(row: dict[str, str]) -> str:
 
 
 def calibrate(
-    path: Path, gpu: GPUProfile, cluster: ClusterProfile, options: CostOptions = CostOptions()
+    path: Path, gpu: GPUProfile, cluster: ClusterProfile, options: CostOptions = MEGATRON_2021
 ) -> list[CalibrationRow]:
     """All rows of the table (captures each model once: about a second per row)."""
     return [calibrate_row(capture_row(row), row, gpu, cluster, options) for row in read_table(path)]

@@ -70,6 +70,89 @@ class AttentionCurve:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    """How a GPU profile's efficiency curves were obtained, and how wrong they are on data they were not fitted on.
+
+    status: "fitted" (curves = prior x compute_factor, the factor fitted by `method` on the train rows of
+    `sources`), "transferred" (factor fitted for another profile of the same chip) or "prior" (never fitted).
+    The per-source lists are aligned with `test_sources`: held-out rows, their mean and worst |error| in percent.
+    """
+
+    status: str
+    method: str
+    fitted: str
+    compute_factor: float
+    prior_gemm_fractions: tuple[float, ...]
+    prior_attention_fractions: tuple[float, ...]
+    sources: tuple[str, ...] = ()
+    train_rows: int = 0
+    test_sources: tuple[str, ...] = ()
+    test_rows: tuple[int, ...] = ()
+    test_mean_error_pct: tuple[float, ...] = ()
+    test_worst_error_pct: tuple[float, ...] = ()
+
+    def summary(self) -> str:
+        """One line for plan output: status, and the out-of-sample error per source."""
+        if self.status == "prior" or not self.test_sources:
+            return f"{self.status}: {self.fitted}"
+        held = "; ".join(
+            f"{s} {n} rows mean {m:.1f}% worst {w:.1f}%"
+            for s, n, m, w in zip(
+                self.test_sources, self.test_rows, self.test_mean_error_pct, self.test_worst_error_pct
+            )
+        )
+        return f"{self.status} (factor {self.compute_factor:g} on {self.train_rows} rows); held out: {held}"
+
+
+_CAL_STATUS = ("fitted", "transferred", "prior")
+
+
+def _build_calibration(data: Any, source: str) -> Calibration:
+    """Validate a [calibration] table (its own key set: lists of strings and integers are allowed here)."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: 'calibration' must be a table, got {data!r}")
+    hints = get_type_hints(Calibration)
+    fields_ = {f.name: f for f in dataclasses.fields(Calibration)}
+    for key in data:
+        if key not in fields_:
+            raise PlanError(f"{source}: unknown key 'calibration.{key}' (expected: {', '.join(fields_)})")
+    values: dict[str, Any] = {}
+    for key, f in fields_.items():
+        if key not in data:
+            if f.default is dataclasses.MISSING:
+                raise PlanError(f"{source}: missing key 'calibration.{key}'")
+            continue
+        v, hint, where = data[key], hints[key], f"{source}: key 'calibration.{key}'"
+        if hint is str:
+            if not isinstance(v, str) or not v:
+                raise PlanError(f"{where} must be a non-empty string, got {v!r}")
+        elif hint is int:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PlanError(f"{where} must be a non-negative integer, got {v!r}")
+        elif hint is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise PlanError(f"{where} must be a positive number, got {v!r}")
+            v = float(v)
+        else:
+            item = hint.__args__[0]
+            ok = isinstance(v, list) and all(
+                isinstance(x, str) if item is str else not isinstance(x, bool) and isinstance(x, (int, float))
+                for x in v
+            )
+            if not ok or (item is int and any(not isinstance(x, int) or x < 0 for x in v)):
+                raise PlanError(f"{where} must be an array of {item.__name__}, got {v!r}")
+            v = tuple(float(x) if item is float else x for x in v)
+        values[key] = v
+    cal = Calibration(**values)
+    if cal.status not in _CAL_STATUS:
+        raise PlanError(f"{source}: calibration.status must be one of {', '.join(_CAL_STATUS)}, got {cal.status!r}")
+    n = len(cal.test_sources)
+    if not len(cal.test_rows) == len(cal.test_mean_error_pct) == len(cal.test_worst_error_pct) == n:
+        raise PlanError(f"{source}: calibration.test_* arrays must all have one entry per test source")
+    return cal
+
+
+@dataclass(frozen=True)
 class GPUProfile:
     """One accelerator. Rates are dense (no sparsity); link bandwidths are per direction."""
 
@@ -86,6 +169,7 @@ class GPUProfile:
     memory_bound_efficiency: float  # fraction of hbm_gbps reached by elementwise ops
     gemm_curve: GemmCurve
     attention_curve: AttentionCurve
+    calibration: Calibration | None = None  # how the curves were fitted and their out-of-sample error
 
     def gemm_efficiency(self, size: float) -> float:
         """Fraction of dense peak a GEMM of `size` (see gemm_size) reaches; clamped at the curve's ends."""
@@ -120,6 +204,10 @@ class ClusterProfile:
     inter_node_latency_us: float
     inter_node_collective_efficiency: float  # NCCL bus bandwidth / inter_node_gbps
     memory_reserve_gib: float  # per GPU: CUDA context, NCCL buffers, workspaces, fragmentation
+    # per ring step (NCCL's hwLat), added to the per-call latency once per step; 0 when not known (a measured
+    # profile's per-call latency then stands for the whole collective)
+    intra_node_step_latency_us: float = 0.0
+    inter_node_step_latency_us: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The TOML document as plain JSON-ready values."""
@@ -133,7 +221,7 @@ class ClusterProfile:
 
 # ---- strict validation -------------------------------------------------------------------------------------------
 
-_NONNEGATIVE = {"usd_per_gpu_hour"}
+_NONNEGATIVE = {"usd_per_gpu_hour", "intra_node_step_latency_us", "inter_node_step_latency_us"}
 
 
 def _check_value(source: str, key: str, hint: Any, value: Any) -> Any:
@@ -177,11 +265,16 @@ def _build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
         if key not in hints:
             raise PlanError(f"{source}: unknown key '{prefix}{key}' (expected: {', '.join(names)})")
     values: dict[str, Any] = {}
+    defaults = {f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
     for key in names:
         if key not in data:
+            if key in defaults:
+                continue
             raise PlanError(f"{source}: missing key '{prefix}{key}'")
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if key == "calibration":
+            values[key] = None if data[key] is None else _build_calibration(data[key], source)
+        elif dataclasses.is_dataclass(hint):
             values[key] = _build(hint, data[key], source, f"{prefix}{key}.")
         else:
             values[key] = _check_value(source, prefix + key, hint, data[key])
@@ -199,6 +292,8 @@ def _as_dict(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         v = getattr(obj, f.name)
+        if v is None:  # an optional table that is absent (an uncalibrated, e.g. measured, profile)
+            continue
         out[f.name] = _as_dict(v) if dataclasses.is_dataclass(v) else list(v) if isinstance(v, tuple) else v
     return out
 
@@ -319,6 +414,8 @@ def to_toml(profile: GPUProfile | ClusterProfile, comments: dict[str, str] | Non
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
     tables: list[str] = []
     for key, value in profile.to_dict().items():
+        if value is None:
+            continue
         if isinstance(value, dict):
             tables.append("")
             tables.append(f"[{key}]" + (f"  # {comments[key]}" if key in comments else ""))

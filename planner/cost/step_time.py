@@ -17,11 +17,13 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
   pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation,
               1/tp of it per rank plus an NVLink all-gather without SP (Narayanan et al. 2021, scatter/gather opt.).
   bubble      planner/cost/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
-  dp comm     once per step: bf16 gradient all-reduce (zero 0) or reduce-scatter + parameter all-gather (zero 1)
-              of the rank's local parameters; zero 3 all-gathers parameters in forward and backward and
-              reduce-scatters gradients every micro-batch. Overlap assumption (CostOptions.dp_overlap, default 0 as
-              in Megatron-LM 2021): that fraction of the last micro-batch's backward (zero 3: of every micro-batch's
-              compute) hides DP traffic. Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
+  dp comm     bf16 gradient all-reduce in DDP buckets (zero 0) or reduce-scatter + parameter all-gather
+              (zero 1) of the rank's local parameters once per step; zero 3 gathers each layer's parameters in
+              forward, again in a fully recomputed forward, and in backward on every micro-batch, and
+              reduce-scatters per layer once per step (mlm-run) or every micro-batch. Latency grows with the ring
+              and a group spanning nodes runs at its members' NIC bandwidth (collectives.py). What overlaps:
+              CostOptions (default mlm-run, torch DDP/FSDP2: hidden up to the compute it runs under; MEGATRON_2021:
+              nothing hidden). Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
   optimizer   Adam as a memory-bound pass: 28 bytes per local parameter (fp32 master, m, v read+written; bf16
               grad read, bf16 weight written), sharded over dp under zero >= 1.
 
@@ -35,6 +37,7 @@ prior, against Narayanan et al. 2021 Table 1 (planner/cost/calibration.py, bench
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from mlm.planner.cost.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
@@ -53,6 +56,8 @@ from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
 
 __all__ = [
+    "MEGATRON_2021",
+    "MLM_RUN",
     "CostOptions",
     "Evaluation",
     "StageAssignment",
@@ -78,9 +83,34 @@ class StageAssignment:
 
 @dataclass(frozen=True)
 class CostOptions:
-    """Modelling assumptions that are the runtime's, not the hardware's."""
+    """How the runtime executes communication: assumptions that are the runtime's, not the hardware's.
 
-    dp_overlap: float = 0.0  # fraction of the backward window that hides data-parallel communication
+    The default is mlm-run's semantics (torch DDP / FSDP2, which overlap data-parallel traffic with compute);
+    MEGATRON_2021 is Megatron-LM as Narayanan et al. 2021 ran it (gradient all-reduce after the backward).
+
+    dp_overlap: fraction of the compute a data-parallel collective can run under that hides it (stream and
+        bandwidth contention ignored: an assumption, stated here). DDP: bucketed all-reduces under the last
+        micro-batch's backward (the earlier ones run under no_sync), the last bucket never hidden. ZeRO-1:
+        reduce-scatter under that backward, parameter all-gather under the first forward (Megatron-Core
+        --overlap-grad-reduce / --overlap-param-gather). ZeRO-3 (FSDP2 prefetch): every per-layer gather and
+        reduce-scatter of the step under the step's compute, the first layer's gather never hidden.
+    ddp_bucket_bytes: torch DDP's bucket_cap_mb = 25 default (one all-reduce call, hence one latency, per bucket).
+    zero3_reduce_every_microbatch: False as mlm-run (gradient sync only on the last micro-batch, train.py
+        _grad_sync); True as ZeRO-3 without gradient accumulation across micro-batches.
+    grad_reduce_bytes: bytes per gradient element on the wire (2: bf16 reduction).
+    tp_overlap: fraction of tensor-parallel collective time hidden behind the block's GEMMs (Megatron-Core
+        --tp-comm-overlap); 0 in mlm-run and in Megatron-LM 2021/2022.
+    """
+
+    dp_overlap: float = 1.0
+    ddp_bucket_bytes: float = 25.0 * 2**20
+    zero3_reduce_every_microbatch: bool = False
+    grad_reduce_bytes: float = 2.0
+    tp_overlap: float = 0.0
+
+
+MLM_RUN = CostOptions()
+MEGATRON_2021 = CostOptions(dp_overlap=0.0)  # Narayanan et al. 2021 / Korthikanti et al. 2022 runs: no DP overlap
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +208,11 @@ def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
 # ---- per-layer times ---------------------------------------------------------------------------------------------
 
 
-def _layer_times(layer: LayerCost, layout: Layout, gpu: GPUProfile, tp_link: Link, seq: int) -> _LayerTimes:
-    """Forward, backward, tp-collective and recompute time of one micro-batch through `layer`."""
+def _layer_times(
+    layer: LayerCost, layout: Layout, gpu: GPUProfile, tp_link: Link, seq: int, tp_overlap: float = 0.0
+) -> _LayerTimes:
+    """Forward, backward, exposed tp-collective and recompute time of one micro-batch through `layer`
+    (tp_overlap: the fraction of the collectives hidden behind this layer's GEMMs, at most their time)."""
     mb, tp, sp = layout.micro_batch, layout.tp, layout.sequence_parallel
     peak = gpu.bf16_tflops * 1e12
     gemm = 0.0
@@ -206,7 +239,9 @@ def _layer_times(layer: LayerCost, layout: Layout, gpu: GPUProfile, tp_link: Lin
         extra = attn_f + mb * layer.core_bytes / tp / bandwidth
     else:
         extra = 0.0
-    return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_f + tp_b, extra)
+    tp_total = tp_f + tp_b
+    tp_exposed = tp_total - min(tp_overlap * tp_total, 3.0 * gemm) if tp_overlap > 0 else tp_total
+    return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra)
 
 
 def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> float:
@@ -264,9 +299,10 @@ def evaluate(
     tp_link = group_link(cluster, tp, 1)
     seq = inputs.seq_len
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq)
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, seq)
+    o = options.tp_overlap
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o)
     p2p = _p2p_time(inputs, layout, cluster, tp_link)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
@@ -374,31 +410,62 @@ class _RankTotals:
 def _dp_time(
     inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, options: CostOptions
 ) -> float:
-    """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's."""
-    dp, m, pp = layout.dp, layout.num_microbatches, layout.pp
+    """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's (CostOptions says
+    what overlaps with what)."""
+    dp, pp = layout.dp, layout.pp
     exposed = 0.0
     if dp > 1:
         link = group_link(cluster, dp, layout.tp)
+        o = options.dp_overlap
         for rank in range(pp):
-            grad_bytes = 2.0 * ranks.params[rank]
-            backward = ranks.backward[rank] + ranks.recompute[rank]
-            if layout.zero >= 3:
-                # FSDP gathers the parameters for the forward, again for a fully recomputed forward, and for the
-                # backward, then reduce-scatters the gradients
-                gathers = 3.0 if layout.recompute == "full" else 2.0
-                per_mb = gathers * all_gather_s(grad_bytes, dp, link) + reduce_scatter_s(grad_bytes, dp, link)
-                t = m * max(0.0, per_mb - options.dp_overlap * (ranks.forward[rank] + backward))
-            else:
-                comm = (
-                    all_reduce_s(grad_bytes, dp, link)
-                    if layout.zero == 0
-                    else reduce_scatter_s(grad_bytes, dp, link) + all_gather_s(grad_bytes, dp, link)
-                )
-                t = max(0.0, comm - options.dp_overlap * backward)
+            t = _dp_rank_time(inputs, layout, link, ranks, rank, o, options)
             exposed = max(exposed, t)
     if pp > 1 and inputs.tied_params:
-        exposed += all_reduce_s(2.0 * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * dp))
+        exposed += all_reduce_s(
+            options.grad_reduce_bytes * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * dp)
+        )
     return exposed
+
+
+def _dp_rank_time(
+    inputs: ModelCostInputs, layout: Layout, link: Link, ranks: _RankTotals, rank: int, o: float, options: CostOptions
+) -> float:
+    """One pipeline rank's exposed dp communication per step."""
+    dp, m = layout.dp, layout.num_microbatches
+    params = ranks.params[rank]
+    param_bytes = 2.0 * params  # bf16 weights gathered
+    grad_bytes = options.grad_reduce_bytes * params
+    backward = ranks.backward[rank] + ranks.recompute[rank]  # one micro-batch
+    forward = ranks.forward[rank]
+    if layout.zero >= 3:
+        # FSDP: per layer, the parameters are gathered for the forward, again for a fully recomputed forward,
+        # and for the backward, on every micro-batch; gradients reduce-scattered per layer once per step
+        # (mlm-run) or on every micro-batch
+        layers = max(1, round(len(inputs.block_names) * params / max(_block_params(inputs, layout), 1.0)))
+        layers = min(layers, len(inputs.block_names) + 2)
+        gathers = 3 if layout.recompute == "full" else 2
+        reduces = m if options.zero3_reduce_every_microbatch else 1
+        comm = m * gathers * all_gather_s(param_bytes, dp, link, layers) + reduces * reduce_scatter_s(
+            grad_bytes, dp, link, layers
+        )
+        first = all_gather_s(param_bytes / layers, dp, link)
+        window = m * (forward + backward)
+        return max(first, comm - o * window) if o > 0 else comm
+    if layout.zero == 0:
+        bucket = min(options.ddp_bucket_bytes, grad_bytes)
+        calls = max(1, math.ceil(grad_bytes / max(bucket, 1.0)))
+        comm = all_reduce_s(grad_bytes, dp, link, calls)
+        return max(all_reduce_s(bucket, dp, link), comm - o * backward) if o > 0 else comm
+    rs = reduce_scatter_s(grad_bytes, dp, link)
+    ag = all_gather_s(param_bytes, dp, link)
+    if o <= 0:
+        return rs + ag
+    return max(0.0, rs - o * backward) + max(0.0, ag - o * forward)
+
+
+def _block_params(inputs: ModelCostInputs, layout: Layout) -> float:
+    """Local parameters of one block under tp."""
+    return local_params(inputs.block, layout.tp)
 
 
 def _assemble(
@@ -472,15 +539,20 @@ def _overflow_reason(
 
 
 def stage_coefficients(
-    inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
     tp, sp, mb, zero, dp = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero, layout.dp
     tp_link = group_link(cluster, tp, 1)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, inputs.seq_len)
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, inputs.seq_len)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len)
+    o = options.tp_overlap
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, inputs.seq_len, o)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, inputs.seq_len, o)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len, o)
     per_param = state_bytes(1.0, zero, dp).static
     p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if layout.pp > 1 else 0.0)
     fixed = (

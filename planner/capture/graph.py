@@ -85,6 +85,7 @@ class ModelIR:
     capture_method: str  # "symbolic_trace" | "export" (+ " (one block, replicated xN)")
     capture_seconds: float
     tied_embeddings: bool = False
+    head_dim: int = 0  # from the attention op's query (0: no attention op found); not always hidden // heads
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
 
     @property

@@ -30,10 +30,12 @@ def inspect_summary(ir: ModelIR) -> dict[str, Any]:
         "hidden_size": ir.hidden_size,
         "num_heads": ir.num_heads,
         "num_kv_heads": ir.num_kv_heads,
+        "head_dim": ir.head_dim,
         "vocab_size": ir.vocab_size,
         "num_layers": ir.num_layers,
         "num_params": ir.num_params,
         "tied_embeddings": ir.tied_embeddings,
+        "warnings": list(ir.warnings),
         "layers": rows,
         "totals": {
             "params": sum(r["params"] for r in rows),

@@ -11,6 +11,7 @@ scaled_dot_product_attention op rather than a materialised seq x seq score matri
 
 from __future__ import annotations
 
+import inspect
 import re
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from mlm.planner.capture.facts import GraphFacts, attribute_facts, graph_facts, resolve
 from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
 from mlm.planner.capture.loader import ModelSpec, instantiate
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
@@ -41,43 +43,115 @@ class BlockGroup:
     children: tuple[str, ...]
 
 
+DEFAULT_SEQ_CAP = 4096  # default --seq-len cap: a first plan at a model's full 32K-131K context is a minutes-long step
+
+
 def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", replicate: bool = True) -> ModelIR:
-    """Build `spec` without weights and capture it into a ModelIR (costs for one sample of `seq_len` tokens)."""
+    """Build `spec` without weights and capture it into a ModelIR (costs for one sample of `seq_len` tokens).
+
+    Without `seq_len` the length is min(model context, DEFAULT_SEQ_CAP); when that guess does not run and the
+    model has a shorter position table, capture retries once at the table's length. Every such choice, and every
+    assumption the capture makes, is one sentence in ModelIR.warnings."""
     start = time.perf_counter()
     model = build_meta(spec)
     num_params = count_params(model)
-    facts = architecture_facts(model)
-    seq = seq_len or facts["seq_len"]
-    group = find_block_group(model)
-    cut = group is not None and replicate and len(group.children) > 1
-    ir = None
-    if cut:
-        assert group is not None
-        try:
-            ir = _capture_graph(spec, cut_to_first_block(model, group), group, seq, method)
-        except TraceError:
-            ir = None  # the cut model does not run (e.g. it indexes blocks by config.n_layer): capture whole
-    if ir is None:
-        ir = _capture_graph(spec, model, group, seq, method)
-        cut = False
-    layers, how = ir
-    if cut:
-        assert group is not None
-        layers = replicate_blocks(layers, group)
-        how += f" (one block, replicated x{len(group.children)})"
     tied = _has_tied_embedding(model)
+    attrs = attribute_facts(model)
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if seq_len is not None:
+        seq, seq_note = seq_len, None
+        captured = _capture_model(spec, model, seq, method, replicate)
+    else:
+        seq, seq_note = default_seq_len(attrs)
+        try:
+            captured = _capture_model(spec, model, seq, method, replicate)
+        except TraceError as e:
+            shorter = _position_limit(model, seq, attrs)
+            if shorter is None:
+                raise TraceError(f"{e} [at the default seq_len {seq}; pass --seq-len N if fewer fit]") from None
+            try:
+                captured = _capture_model(spec, build_meta(spec), shorter, method, replicate)
+            except TraceError:
+                raise TraceError(f"{e} [at the default seq_len {seq}, and at {shorter}; pass --seq-len N]") from None
+            seq_note = (
+                f"seq_len {shorter}: capture at the default {seq} failed and the model holds {shorter} positions "
+                f"(pass --seq-len to change)"
+            )
+            seq = shorter
+    layers, how, found, notes = captured
+    facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None)
     return ModelIR(
         layers=tuple(layers),
         num_params=num_params,
         seq_len=seq,
-        hidden_size=facts["hidden_size"],
-        num_heads=facts["num_heads"],
-        num_kv_heads=facts["num_kv_heads"],
-        vocab_size=facts["vocab_size"],
+        hidden_size=facts.hidden_size,
+        num_heads=facts.num_heads,
+        num_kv_heads=facts.num_kv_heads,
+        vocab_size=facts.vocab_size,
         capture_method=how,
         capture_seconds=time.perf_counter() - start,
         tied_embeddings=tied,
+        head_dim=facts.head_dim,
+        warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
     )
+
+
+def default_seq_len(attrs: dict[str, tuple[int, str]]) -> tuple[int, str]:
+    """min(model context, DEFAULT_SEQ_CAP) and the sentence that says why."""
+    context = attrs.get("context")
+    if context is None:
+        return DEFAULT_SEQ_CAP, f"seq_len {DEFAULT_SEQ_CAP} (model context unknown; pass --seq-len to change)"
+    value, name = context
+    if value <= DEFAULT_SEQ_CAP:
+        return value, f"seq_len {value} (the model context, {name}; pass --seq-len to change)"
+    return DEFAULT_SEQ_CAP, f"seq_len {DEFAULT_SEQ_CAP} (model context {value} from {name}; pass --seq-len to change)"
+
+
+def _position_limit(model: nn.Module, seq: int, attrs: dict[str, tuple[int, str]]) -> int | None:
+    """The longest table shorter than `seq` that could hold positions: the middle extent of a (1, N, hidden)
+    parameter or buffer (learned position tables as in ViT), else the rows of an nn.Embedding other than the
+    token table (the one with config's vocab_size rows, or else the largest)."""
+    hidden = attrs.get("hidden_size", (0, ""))[0]
+    tables = [
+        t.shape[1]
+        for t in (*model.parameters(), *model.buffers())
+        if t.dim() == 3 and t.shape[0] == 1 and (not hidden or t.shape[2] == hidden)
+    ]
+    rows = sorted(m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding))
+    vocab = attrs.get("vocab_size", (rows[-1] if rows else 0, ""))[0]
+    rows = [n for n in rows if n != vocab]
+    shorter = [int(n) for n in (*tables, *rows) if 1 < n < seq]
+    return max(shorter) if shorter else None
+
+
+def _capture_model(
+    spec: ModelSpec, model: nn.Module, seq: int, method: str, replicate: bool
+) -> tuple[list[LayerIR], str, GraphFacts, list[str]]:
+    """Capture one block and replicate it when the model repeats one; else, or when the cut does not run, the
+    whole model, on a fresh instance (the cut edits the container in place)."""
+    notes: list[str] = []
+    group = find_block_group(model)
+    if group is not None and replicate and len(group.children) > 1:
+        first = f"{group.fqn}.{group.children[0]}"
+        try:
+            layers, how, found = _capture_graph(spec, cut_to_first_block(model, group), group, seq, method)
+        except TraceError as e:  # the cut model does not run (e.g. it indexes blocks by config.n_layer)
+            notes.append(
+                f"whole-model fallback: the model cut to {first} did not capture ({_first_line(e)[:200]}); "
+                f"captured all {len(group.children)} blocks of a fresh instance instead"
+            )
+            model = build_meta(spec)
+            group = find_block_group(model)
+        else:
+            notes.append(
+                f"blocks assumed identical: {first} was captured once and its costs copied to all "
+                f"{len(group.children)} children of {group.fqn} (same module type and parameter shapes; behaviour "
+                f"such as sliding-window or dense/MoE differences is not compared)"
+            )
+            layers = replicate_blocks(layers, group)
+            return layers, how + f" (one block, replicated x{len(group.children)})", found, notes
+    layers, how, found = _capture_graph(spec, model, group, seq, method)
+    return layers, how, found, notes
 
 
 def build_meta(spec: ModelSpec) -> nn.Module:
@@ -107,34 +181,6 @@ def _has_tied_embedding(model: nn.Module) -> bool:
             return True
         seen[id(p)] = name
     return False
-
-
-def architecture_facts(model: nn.Module) -> dict[str, int]:
-    """Hidden size, heads, vocabulary and sequence length from the usual config names and the first embedding."""
-    cfg = getattr(model, "config", None)
-
-    sources = [cfg, *model.modules()]  # a config object first, then attributes such as Block.n_head
-
-    def pick(*names: str, default: int = 0) -> int:
-        for source in sources:
-            for name in names:
-                value = getattr(source, name, None) if source is not None else None
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
-        return default
-
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    hidden = pick(
-        "n_embd", "hidden_size", "dim", "d_model", "embed_dim", default=emb.embedding_dim if emb is not None else 0
-    )
-    heads = pick("n_head", "num_attention_heads", "n_heads", "num_heads", default=1)
-    return {
-        "hidden_size": hidden,
-        "num_heads": heads,
-        "num_kv_heads": pick("n_kv_heads", "num_key_value_heads", "n_kv_head", default=heads),
-        "vocab_size": pick("vocab_size", "n_vocab", default=emb.num_embeddings if emb is not None else 0),
-        "seq_len": pick("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len", default=2048),
-    }
 
 
 def find_block_group(model: nn.Module) -> BlockGroup | None:
@@ -169,29 +215,74 @@ def cut_to_first_block(model: nn.Module, group: BlockGroup) -> nn.Module:
 
 
 def _example_batch(spec: ModelSpec, model: nn.Module, seq: int) -> tuple[Any, torch.Tensor]:
+    """The file's example_inputs(1, seq), float tensors cast to the model's dtype, else a batch of token ids."""
     if spec.example_inputs is not None:
         with torch.device("meta"):
             example = spec.example_inputs(1, seq)
+        example = _to_dtype(example, _compute_dtype(model))
         if isinstance(example, tuple) and len(example) == 2:
             return example
         ref = example if isinstance(example, torch.Tensor) else next(iter(example.values()))
         return example, torch.zeros(ref.shape[:2], dtype=torch.long, device="meta")
+    required = _required_forward_args(model)
+    if len(required) > 1 and not (len(required) == 2 and required[1] == "targets"):
+        raise ModelLoadError(
+            f"{type(model).__name__}.forward needs {', '.join(required)}: mlm can only guess one tensor of token "
+            f"ids; define example_inputs(batch_size, seq_len) in the model file returning the forward's inputs"
+        )
     try:
         return default_batch(model, 1, seq, "meta")
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
 
 
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.bfloat16)
+
+
+def _to_dtype(example: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating tensor in a tensor / tuple / list / dict of inputs (integer ids and masks stay)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, example)
+
+
+def _forward_params(model: nn.Module) -> list[inspect.Parameter]:
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _required_forward_args(model: nn.Module) -> list[str]:
+    return [p.name for p in _forward_params(model) if p.default is p.empty]
+
+
+def _forward_hint(model: nn.Module) -> str:
+    """For a capture fed guessed inputs: what the forward takes and how to give it the right inputs."""
+    params = _forward_params(model)
+    named = [p.name for p in params if p.default is p.empty] or [
+        p.name for p in params if re.search(r"input|ids|embed|pixel|values|features|decoder|sample", p.name)
+    ][:8]
+    takes = f" (its forward takes {', '.join(named)})" if named else ""
+    return (
+        f"; mlm fed {type(model).__name__} one (1, seq_len) tensor of token ids{takes}: define "
+        f"example_inputs(batch_size, seq_len) in the model file returning the forward's inputs (a dict for keywords)"
+    )
+
+
 def _capture_graph(
     spec: ModelSpec, model: nn.Module, group: BlockGroup | None, seq: int, method: str
-) -> tuple[list[LayerIR], str]:
+) -> tuple[list[LayerIR], str, GraphFacts]:
     wrapper = TrainingModule(model, spec.loss_fn)
     batch = _example_batch(spec, model, seq)
     errors = []
     if method in ("auto", "symbolic_trace"):
         try:
             graph, params = _symbolic_trace(wrapper, batch)
-            return build_layers(graph, params, model, group, seq), "symbolic_trace"
+            layers, found = build_layers(graph, params, model, group, seq)
+            return layers, "symbolic_trace", found
         except Exception as e:  # symbolic_trace fails on most real models; it is only the fast path
             errors.append(f"symbolic_trace: {type(e).__name__}: {_first_line(e)}")
             if method == "symbolic_trace":
@@ -200,9 +291,10 @@ def _capture_graph(
         with _quiet():
             program = torch.export.export(wrapper, batch, strict=False)
     except Exception as e:  # tracer errors come in many types; report the user's construct and line
+        hint = _forward_hint(model) if spec.example_inputs is None else ""
         raise TraceError(
             f"neither tracer could capture the model: torch.export: {type(e).__name__}: "
-            f"{_first_line(e)}{_user_location(e, spec)}"
+            f"{_first_line(e)}{_user_location(e, spec)}{hint}"
         ) from None
     graph = program.graph
     sig = program.graph_signature
@@ -212,7 +304,8 @@ def _capture_graph(
         **getattr(sig, "inputs_to_lifted_tensor_constants", {}),
     }
     params = {n: names[n.name] for n in graph.nodes if n.op == "placeholder" and n.name in names}
-    return build_layers(graph, params, model, group, seq), "torch.export (non-strict)"
+    layers, found = build_layers(graph, params, model, group, seq)
+    return layers, "torch.export (non-strict)", found
 
 
 def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tuple[torch.fx.Graph, dict]:
@@ -241,8 +334,8 @@ def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tupl
 
 def build_layers(
     graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model: nn.Module, group: BlockGroup | None, seq: int
-) -> list[LayerIR]:
-    """Group graph nodes into layers and sum each layer's costs."""
+) -> tuple[list[LayerIR], GraphFacts]:
+    """Group graph nodes into layers and sum each layer's costs; read the architecture facts off the same graph."""
     calls = [
         n for n in graph.nodes if n.op in ("call_function", "call_method") and op_name(n) != "_assert_tensor_metadata"
     ]
@@ -270,7 +363,8 @@ def build_layers(
                 seq,
             )
         )
-    return layers
+    first_block = f"{group.fqn}.{group.children[0]}" if group is not None else None
+    return layers, graph_facts(calls, owner, costs, dependent, is_param, first_block)
 
 
 def _input_dependent(graph: torch.fx.Graph, is_param: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -1,0 +1,405 @@
+"""Architecture facts read from the captured graph rather than guessed from attribute names.
+
+Heads, kv heads and head_dim come from each attention op as it runs: a scaled_dot_product_attention call or the
+matmul -> (scale, mask) -> softmax pattern of a hand-written attention. The capture runs one sample (batch 1),
+so a query of numel heads*s_q*d has heads = numel / (s_q*d) whatever its layout ((b, h, s, d), (b*h, s, d)).
+kv heads are read from the key *before* any repeat/expand (grouped-query and multi-query attention broadcast the
+key to all query heads just before the op): the walk goes back from the key through views and elementwise ops
+(rotary embeddings) that depend on the batch, stopping at the op that produced it (a linear, a norm), and takes
+the fewest heads of any tensor on the way that still has the key's (s_k, head_dim) extents. The hidden size is
+the last extent of the residual stream entering the first block; the vocabulary is the row count of the
+embedding that reads the token ids and the output width of the linear feeding the cross-entropy loss.
+
+Attribute names (n_head, num_attention_heads, ...) are only a cross-check: `resolve` keeps the graph's value and
+records each disagreement, and each fact the graph does not show, as one sentence for ModelIR.warnings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from mlm.planner.capture.ops import ATTENTION_OPS, OpCost, op_name, val
+
+# kinds the key walk passes through (they keep the key a key); anything else produced it
+_WALK_KINDS = frozenset({"view", "elementwise", "dropout"})
+_CE_LOSSES = frozenset({"cross_entropy_loss", "cross_entropy", "nll_loss", "nll_loss_forward"})
+UNKNOWN_HEADS = 1  # what the IR records when no attention op is found: tp cannot divide 1 head, so tp stays 1
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """One attention op found in the graph."""
+
+    layer: str  # the layer (block FQN) that runs it
+    module: str  # module path of the op ("" at the root)
+    how: str  # "scaled_dot_product_attention" or "matmul-softmax-matmul"
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def is_self_attention(self) -> bool:
+        return self.q_len == self.kv_len
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the captured graph shows; None where it shows nothing."""
+
+    attention: tuple[AttentionSite, ...]
+    hidden: int | None
+    hidden_from: str
+    vocab_in: int | None  # rows of the embedding that reads the token ids
+    vocab_out: int | None  # output width of the linear feeding the cross-entropy loss
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The facts ModelIR carries, with the sentences that explain each assumption or disagreement."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    warnings: tuple[str, ...]
+
+
+def graph_facts(
+    calls: list[torch.fx.Node],
+    owner: dict[torch.fx.Node, str],
+    costs: dict[torch.fx.Node, OpCost],
+    dependent: set[torch.fx.Node],
+    params: set[torch.fx.Node],
+    first_block: str | None,
+) -> GraphFacts:
+    """Read the facts from the captured calls (`dependent`: nodes computed from the batch)."""
+    sites = tuple(_attention_sites(calls, owner, costs, dependent))
+    hidden, hidden_from = _hidden(calls, owner, dependent, params, first_block)
+    return GraphFacts(
+        attention=sites,
+        hidden=hidden,
+        hidden_from=hidden_from,
+        vocab_in=_vocab_in(calls, dependent, params),
+        vocab_out=_vocab_out(calls, costs),
+    )
+
+
+def _inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found
+
+
+def _attention_sites(
+    calls: list[torch.fx.Node],
+    owner: dict[torch.fx.Node, str],
+    costs: dict[torch.fx.Node, OpCost],
+    dependent: set[torch.fx.Node],
+) -> Iterator[AttentionSite]:
+    for n in calls:
+        name = op_name(n)
+        if name in ATTENTION_OPS:
+            tensors = [a for a in _inputs(n) if val(a) is not None]
+            if len(tensors) < 3:
+                continue
+            q, k = val(tensors[0]), val(tensors[1])
+            assert q is not None and k is not None
+            s_q, d, s_k = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
+            heads = q.numel() // max(s_q * d, 1)
+            kv = _heads_before_broadcast(tensors[1], s_k, int(k.shape[-1]), costs, dependent)
+            yield AttentionSite(owner.get(n, ""), _module(n), "scaled_dot_product_attention", heads, kv, d, s_q, s_k)
+        elif costs[n].kind == "softmax":
+            site = _softmax_site(n, owner, costs, dependent)
+            if site is not None:
+                yield site
+
+
+def _softmax_site(
+    softmax: torch.fx.Node,
+    owner: dict[torch.fx.Node, str],
+    costs: dict[torch.fx.Node, OpCost],
+    dependent: set[torch.fx.Node],
+) -> AttentionSite | None:
+    """matmul(q, k^T) -> scale/mask/cast -> softmax -> ... -> matmul(p, v): the hand-written attention core."""
+    scores = _producer(softmax, costs, dependent, lambda m: costs[m].kind == "matmul")
+    if scores is None or not _feeds_matmul(softmax, costs):
+        return None
+    operands = [a for a in _inputs(scores) if val(a) is not None and a in dependent]
+    if op_name(scores) in ("baddbmm", "addmm"):
+        operands = operands[-2:]
+    s = val(scores)
+    if len(operands) != 2 or s is None or s.dim() < 2:
+        return None
+    q, kt = val(operands[0]), val(operands[1])
+    assert q is not None and kt is not None
+    s_q, s_k = int(s.shape[-2]), int(s.shape[-1])
+    heads = s.numel() // max(s_q * s_k, 1)
+    d = q.numel() // max(heads * s_q, 1)
+    if heads < 1 or d < 1:
+        return None
+    kv = _heads_before_broadcast(operands[1], s_k, d, costs, dependent)
+    return AttentionSite(owner.get(scores, ""), _module(scores), "matmul-softmax-matmul", heads, kv, d, s_q, s_k)
+
+
+def _producer(
+    n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], dependent: set[torch.fx.Node], want: Any
+) -> torch.fx.Node | None:
+    """Walk back from n through views and elementwise ops (scale, mask, cast) to the op `want` accepts."""
+    stack = [a for a in _inputs(n) if a in dependent]
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen or a not in costs:
+            continue
+        seen.add(a)
+        if want(a):
+            return a
+        if costs[a].kind in _WALK_KINDS:
+            stack.extend(x for x in _inputs(a) if x in dependent)
+    return None
+
+
+def _feeds_matmul(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost]) -> bool:
+    """Whether n's output reaches an activation matmul through views, casts and dropout only."""
+    stack = list(n.users)
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        u = stack.pop()
+        if u in seen or u not in costs:
+            continue
+        seen.add(u)
+        kind = costs[u].kind
+        if kind == "matmul":
+            return True
+        if kind in ("view", "dropout") or (kind == "elementwise" and op_name(u) in ("to", "float", "type_as")):
+            stack.extend(u.users)
+    return False
+
+
+def _heads_before_broadcast(
+    key: torch.fx.Node, s_k: int, d: int, costs: dict[torch.fx.Node, OpCost], dependent: set[torch.fx.Node]
+) -> int:
+    """Fewest heads of any batch-dependent tensor from which the key is made by views/elementwise ops, counting
+    only tensors that still have the (s_k, d) extents (so rotary halves and fused projections do not count)."""
+    best = None
+    stack = [key]
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        t = val(a)
+        if t is not None and _has_extents(t, s_k, d) and t.numel() % (s_k * d) == 0:
+            h = t.numel() // (s_k * d)
+            best = h if best is None else min(best, h)
+        if a in costs and costs[a].kind in _WALK_KINDS:
+            stack.extend(x for x in _inputs(a) if x in dependent)
+    return best or 0
+
+
+def _has_extents(t: torch.Tensor, s: int, d: int) -> bool:
+    dims = list(t.shape)
+    if s not in dims:
+        return False
+    dims.remove(s)
+    return d in dims
+
+
+def _module(n: torch.fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return str(path)
+
+
+def _hidden(
+    calls: list[torch.fx.Node],
+    owner: dict[torch.fx.Node, str],
+    dependent: set[torch.fx.Node],
+    params: set[torch.fx.Node],
+    first_block: str | None,
+) -> tuple[int | None, str]:
+    """Last extent of the largest float activation entering the first block (the residual stream)."""
+    if first_block is None:
+        return None, ""
+    members = [n for n in calls if owner.get(n) == first_block]
+    inside = set(members)
+    entering = {
+        a
+        for n in members
+        for a in _inputs(n)
+        if a not in inside and a in dependent and a not in params and _is_float(val(a))
+    }
+    if not entering:
+        return None, ""
+    stream = max(entering, key=lambda a: val(a).numel())  # type: ignore[union-attr]
+    t = val(stream)
+    assert t is not None
+    return int(t.shape[-1]), f"the input of {first_block}, shape {tuple(t.shape)}"
+
+
+def _is_float(t: torch.Tensor | None) -> bool:
+    return t is not None and t.is_floating_point()
+
+
+def _vocab_in(calls: list[torch.fx.Node], dependent: set[torch.fx.Node], params: set[torch.fx.Node]) -> int | None:
+    """Rows of the first embedding whose indices come from the batch (position tables read an arange)."""
+    for n in calls:
+        if op_name(n) != "embedding":
+            continue
+        tensors = [a for a in _inputs(n) if val(a) is not None]
+        weight = next((a for a in tensors if a in params), None)
+        index = next((a for a in tensors if a not in params), None)
+        if weight is not None and index is not None and index in dependent:
+            w = val(weight)
+            assert w is not None
+            return int(w.shape[0])
+    return None
+
+
+def _vocab_out(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost]) -> int | None:
+    """Output width of the linear whose output, through views and casts, is the cross-entropy's input."""
+    for n in calls:
+        if op_name(n) not in _CE_LOSSES:
+            continue
+        tensors = [a for a in _inputs(n) if val(a) is not None]
+        if not tensors:
+            continue
+        logits = _producer_from(tensors[0], costs, lambda m: costs[m].kind == "linear")
+        if logits is not None:
+            t = val(logits)
+            return int(t.shape[-1]) if t is not None else None
+    return None
+
+
+def _producer_from(n: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], want: Any) -> torch.fx.Node | None:
+    """n itself or the first op behind its views / elementwise ops (logit soft-capping, casts) that `want`
+    accepts; a log_softmax before nll_loss is passed through too."""
+    stack = [n]
+    seen: set[torch.fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in seen or a not in costs:
+            continue
+        seen.add(a)
+        if want(a):
+            return a
+        if costs[a].kind in _WALK_KINDS or op_name(a) in ("log_softmax", "_log_softmax"):
+            stack.extend(x for x in _inputs(a) if x in costs)
+    return None
+
+
+# --- attribute cross-check -------------------------------------------------------------------------------------
+
+ATTRIBUTE_NAMES = {
+    "hidden_size": ("n_embd", "hidden_size", "dim", "d_model", "embed_dim"),
+    "num_heads": ("n_head", "num_attention_heads", "n_heads", "num_heads"),
+    "num_kv_heads": ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads"),
+    "vocab_size": ("vocab_size", "n_vocab"),
+    "context": ("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len", "n_ctx"),
+}
+
+
+def attribute_facts(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Each fact's value from the usual config/attribute names, with the name it came from (config first)."""
+    cfg = getattr(model, "config", None)
+    sources = [("config", cfg), *model.named_modules()]
+    found: dict[str, tuple[int, str]] = {}
+    for fact, names in ATTRIBUTE_NAMES.items():
+        for where, source in sources:
+            if source is None:
+                continue
+            hit = next((name for name in names if _positive_int(getattr(source, name, None))), None)
+            if hit is not None:
+                prefix = "config" if where == "config" else (where or "model")
+                found[fact] = (getattr(source, hit), f"{prefix}.{hit}")
+                break
+    return found
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def resolve(graph: GraphFacts, attrs: dict[str, tuple[int, str]], embedding_dim: int | None) -> Facts:
+    """The graph's facts, the attributes as a cross-check, and one sentence per gap or disagreement."""
+    notes: list[str] = []
+    site = _representative(graph.attention, notes)
+    if site is None:
+        heads, kv, head_dim = UNKNOWN_HEADS, UNKNOWN_HEADS, 0
+        said = attrs.get("num_heads")
+        hint = f" (attribute {said[1]} = {said[0]} was not used)" if said else ""
+        notes.append(
+            "no attention op (scaled_dot_product_attention or matmul-softmax-matmul) found in the captured graph: "
+            f"heads unknown{hint}, recorded as {UNKNOWN_HEADS} so tensor parallelism will not split attention"
+        )
+    else:
+        heads, head_dim = site.heads, site.head_dim
+        kv = site.kv_heads
+        where = f"the {site.how} in {site.layer or 'the model'}"
+        if kv < 1 or heads % kv:
+            notes.append(f"kv heads could not be read from the key of {where}: assumed equal to the {heads} heads")
+            kv = heads
+        _cross_check("num_heads", heads, f"query of {where}", attrs, notes)
+        _cross_check("num_kv_heads", kv, f"key of {where} before any repeat/expand", attrs, notes)
+    hidden = graph.hidden
+    if hidden is None:
+        fallback = embedding_dim or attrs.get("hidden_size", (0, ""))[0]
+        notes.append(f"hidden size not found from a block input in the graph: using {fallback}")
+        hidden = fallback
+    else:
+        _cross_check("hidden_size", hidden, graph.hidden_from, attrs, notes)
+    vocab = _vocab(graph, attrs, notes)
+    return Facts(hidden, heads, kv, head_dim, vocab, tuple(notes))
+
+
+def _representative(sites: tuple[AttentionSite, ...], notes: list[str]) -> AttentionSite | None:
+    """The first self-attention site (else the first site); a differing head layout elsewhere is noted."""
+    if not sites:
+        return None
+    site = next((s for s in sites if s.is_self_attention), sites[0])
+    shapes = {(s.heads, s.kv_heads, s.head_dim) for s in sites}
+    if len(shapes) > 1:
+        listed = "; ".join(f"{s.layer or s.module}: {s.heads}/{s.kv_heads} heads x {s.head_dim}" for s in sites[:6])
+        notes.append(
+            f"attention ops differ in heads/kv heads/head_dim ({listed}): planned with the first self-attention "
+            f"({site.heads}/{site.kv_heads} x {site.head_dim})"
+        )
+    return site
+
+
+def _cross_check(fact: str, value: int, source: str, attrs: dict[str, tuple[int, str]], notes: list[str]) -> None:
+    said = attrs.get(fact)
+    if said is not None and said[0] != value:
+        label = fact.replace("num_", "").replace("_", " ")
+        notes.append(
+            f"{label}: the graph gives {value} ({source}) but attribute {said[1]} says {said[0]}; the graph's value "
+            f"is used"
+        )
+
+
+def _vocab(graph: GraphFacts, attrs: dict[str, tuple[int, str]], notes: list[str]) -> int:
+    vin, vout = graph.vocab_in, graph.vocab_out
+    if vin is not None and vout is not None and vin != vout:
+        notes.append(f"the token embedding has {vin} rows but the output projection {vout} columns: vocabulary {vout}")
+    vocab = vout or vin
+    if vocab is None:
+        said = attrs.get("vocab_size")
+        notes.append(
+            "no token embedding or cross-entropy output projection found in the graph: vocabulary unknown"
+            + (f" (attribute {said[1]} = {said[0]} not used)" if said else "")
+        )
+        return 0
+    _cross_check("vocab_size", vocab, "the embedding / output projection", attrs, notes)
+    return vocab

@@ -1,0 +1,27 @@
+"""Tiny Hugging Face decoders with unusual head layouts, built from config objects (no download)."""
+
+
+def build_falcon(multi_query=True, new_decoder_architecture=False, num_kv_heads=None, num_attention_heads=4):
+    """Falcon-7B is multi-query (one kv head); Falcon-40B/180B use the new architecture with grouped kv heads."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=112,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        multi_query=multi_query,
+        new_decoder_architecture=new_decoder_architecture,
+        max_position_embeddings=48,
+        use_cache=False,
+    )
+    return FalconForCausalLM(cfg)
+
+
+def build_t5():
+    """An encoder-decoder whose forward needs decoder inputs mlm cannot guess from token ids alone."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)
+    return T5ForConditionalGeneration(cfg)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import csv
 import importlib.resources
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -158,3 +158,302 @@ def calibrate(
 ) -> list[CalibrationRow]:
     """All rows of the table (captures each model once: about a second per row)."""
     return [calibrate_row(capture_row(row), row, gpu, cluster, options) for row in read_table(path)]
+
+
+# ---- published measurements with full layouts, and the fit of a GPU profile's compute factor ---------------------
+
+RUNTIMES = {
+    "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream
+    "megatron-core": CostOptions(dp_overlap=1.0, tp_overlap=1.0),  # --overlap-grad-reduce/-param-gather, tp-comm
+    "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
+}
+RECOMPUTE_SEARCH = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One published run: hardware, model shape, layout (blank micro_batch / vpp / recompute "any": searched), and
+    the published figure in its own metric (step_s, eq3_tflops, model_tflops per GPU, tokens_per_gpu_s)."""
+
+    file: str
+    source: str
+    split: str
+    name: str
+    gpu: str
+    cluster: str
+    gpus: int
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    attention: str
+    tp: int
+    pp: int
+    micro_batch: int | None
+    vpp: int | None
+    global_batch: int
+    recompute: tuple[str, ...]
+    sp: bool
+    zero: int
+    runtime: str
+    metric: str
+    value: float
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    def shape_key(self) -> tuple:
+        return (self.arch, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.seq,
+                self.attention)  # fmt: skip
+
+    def published_step_s(self) -> float:
+        """The published figure as seconds per step."""
+        b, s, l, h, v = self.global_batch, self.seq, self.layers, self.hidden, self.vocab
+        if self.metric == "step_s":
+            return self.value
+        if self.metric == "tokens_per_gpu_s":
+            return b * s / (self.value * self.gpus)
+        if self.metric == "eq3_tflops":
+            return eq3_flops(b, s, l, h, v) / (self.value * 1e12 * self.gpus)
+        if self.metric == "model_tflops":
+            return megatron_model_flops(self) / (self.value * 1e12 * self.gpus)
+        raise ValueError(f"{self.file}: unknown metric {self.metric!r}")
+
+
+def megatron_model_flops(m: Measurement) -> float:
+    """Megatron-LM's num_floating_point_operations per step (no recompute): 12·B·s·l·h²·((1 + g/n + s/h)
+    + ffn/h·gated + V/(2·l·h)), gated = 1.5 for SwiGLU (llama), g/n the kv-head ratio."""
+    gated = 1.5 if m.arch == "llama" else 1.0
+    attn = 1 + m.kv_heads / m.heads + m.seq / m.hidden
+    return (
+        12.0 * m.global_batch * m.seq * m.layers * m.hidden**2
+        * (attn + m.ffn / m.hidden * gated + m.vocab / (2 * m.layers * m.hidden))
+    )  # fmt: skip
+
+
+def _opt_int(x: str) -> int | None:
+    return int(x) if x.strip() else None
+
+
+def read_measurements(path: Path) -> list[Measurement]:
+    """Rows of a measurement CSV: the generic schema, or Narayanan et al. 2021 Table 1's own columns."""
+    out = []
+    for r in read_table(path):
+        if "params_b" in r:  # Table 1: GPT, s=2048, V=51200, full recompute, no SP, no DP overlap
+            h = int(r["hidden"])
+            r = {
+                **r, "name": f"{float(r['params_b']):g}B", "gpu": "a100-80gb", "cluster": "dgx-a100",
+                "arch": "gpt", "kv_heads": r["heads"], "ffn": str(4 * h), "vocab": str(VOCAB), "seq": str(SEQ_LEN),
+                "attention": "manual", "micro_batch": "", "vpp": "", "recompute": "full", "sp": "0", "zero": "0",
+                "runtime": "megatron-2021", "metric": "eq3_tflops", "value": r["tflops_per_gpu"],
+            }  # fmt: skip
+        out.append(
+            Measurement(
+                file=path.name,
+                source=r["source"],
+                split=r["split"],
+                name=r["name"],
+                gpu=r["gpu"],
+                cluster=r["cluster"],
+                gpus=int(r["gpus"]),
+                arch=r["arch"],
+                layers=int(r["layers"]),
+                hidden=int(r["hidden"]),
+                heads=int(r["heads"]),
+                kv_heads=int(r["kv_heads"]),
+                ffn=int(r["ffn"]),
+                vocab=int(r["vocab"]),
+                seq=int(r["seq"]),
+                attention=r["attention"],
+                tp=int(r["tp"]),
+                pp=int(r["pp"]),
+                micro_batch=_opt_int(r["micro_batch"]),
+                vpp=_opt_int(r["vpp"]),
+                global_batch=int(r["global_batch"]),
+                recompute=RECOMPUTE_SEARCH if r["recompute"] == "any" else (r["recompute"],),
+                sp=r["sp"].strip() in ("1", "true", "True"),
+                zero=int(r["zero"]),
+                runtime=r["runtime"],
+                metric=r["metric"],
+                value=float(r["value"]),
+            )
+        )
+    return out
+
+
+def capture_measurement(m: Measurement) -> ModelCostInputs:
+    """Summarised IR of a row's model: the GPT preset (Megatron-LM 2021 kernels when attention is manual) or the
+    Llama preset, with the row's shape."""
+    from mlm.planner.capture.loader import load_model_spec
+    from mlm.planner.capture.trace import capture
+
+    if m.arch == "llama":
+        args = dict(dim=m.hidden, n_layers=m.layers, n_heads=m.heads, n_kv_heads=m.kv_heads, vocab_size=m.vocab,
+                    ffn_dim=m.ffn, max_seq_len=m.seq)  # fmt: skip
+        spec = load_model_spec("llama3-8b", args=args)
+    else:
+        assert m.ffn == 4 * m.hidden, f"{m.name}: the GPT preset has a 4h MLP"
+        args = dict(n_layer=m.layers, n_head=m.heads, n_embd=m.hidden, vocab_size=m.vocab, block_size=m.seq,
+                    bias=True)  # fmt: skip
+        if m.attention == "manual":
+            spec = load_model_spec(__file__, entry="build_megatron_2021", args=args)
+        else:
+            spec = load_model_spec("gpt2", args=args)
+    return summarize(capture(spec, seq_len=m.seq))
+
+
+def measurement_layouts(m: Measurement, num_blocks: int) -> list[Layout]:
+    """The layouts a row allows: its tp/pp/dp/zero/SP pinned, micro-batch, schedule and recompute as given or
+    searched (micro-batch in MICRO_BATCHES, vpp dividing the blocks per stage)."""
+    dp = m.dp
+    per_dp = m.global_batch // dp
+    out = []
+    for mb in (m.micro_batch,) if m.micro_batch else MICRO_BATCHES:
+        if per_dp % mb:
+            continue
+        n = per_dp // mb
+        if m.pp > 1 and n < m.pp:
+            continue
+        if m.vpp:
+            vpps = [m.vpp]
+        elif m.pp > 1 and n % m.pp == 0:
+            vpps = [v for v in range(1, num_blocks // m.pp + 1) if (num_blocks // m.pp) % v == 0]
+        else:
+            vpps = [1]
+        for vpp in vpps:
+            for rc in m.recompute:
+                out.append(
+                    Layout(
+                        tp=m.tp,
+                        pp=m.pp,
+                        dp=dp,
+                        micro_batch=mb,
+                        num_microbatches=n,
+                        vpp=vpp,
+                        sequence_parallel=m.sp,
+                        recompute=rc,
+                        zero=m.zero,
+                    )  # type: ignore[arg-type]  # fmt: skip
+                )
+    return out
+
+
+@dataclass(frozen=True)
+class RowPrediction:
+    measurement: Measurement
+    layout: Layout
+    predicted_step_s: float
+    fits: bool  # False: no allowed layout fits the memory model; the fastest one is reported anyway
+
+    @property
+    def error(self) -> float:
+        """Signed relative error of the predicted throughput (published step / predicted step − 1)."""
+        return self.measurement.published_step_s() / self.predicted_step_s - 1.0
+
+
+def scaled_profile(gpu: GPUProfile, factor: float) -> GPUProfile:
+    """The GPU profile with its prior GEMM and attention curves (from its [calibration] table) times `factor`."""
+    cal = gpu.calibration
+    assert cal is not None, f"{gpu.name}: no [calibration] table with the prior curves"
+    return replace(
+        gpu,
+        gemm_curve=replace(gpu.gemm_curve, fractions=tuple(min(1.0, f * factor) for f in cal.prior_gemm_fractions)),
+        attention_curve=replace(
+            gpu.attention_curve, fractions=tuple(min(1.0, f * factor) for f in cal.prior_attention_fractions)
+        ),
+    )
+
+
+class RowEvaluator:
+    """Predicts rows under a changing GPU profile; captures each model shape and checks memory only once."""
+
+    def __init__(self, rows: list[Measurement], gpu: GPUProfile) -> None:
+        from mlm.planner.cost.hardware import load_cluster
+
+        self.rows = rows
+        shapes: dict[tuple, ModelCostInputs] = {}
+        self._cands: list[tuple[ModelCostInputs, ClusterProfile, list[Layout], bool]] = []
+        for m in rows:
+            if m.shape_key() not in shapes:
+                shapes[m.shape_key()] = capture_measurement(m)
+            inputs, cluster = shapes[m.shape_key()], load_cluster(m.cluster)
+            layouts = measurement_layouts(m, inputs.num_blocks)
+            assert layouts, f"{m.file}: no layout for row {m.name}"
+            fitting = [lo for lo in layouts if evaluate(inputs, lo, gpu, cluster, options=RUNTIMES[m.runtime]).fits]
+            self._cands.append((inputs, cluster, fitting or layouts, bool(fitting)))
+
+    def subset(self, indices: list[int]) -> RowEvaluator:
+        """The same evaluator restricted to some rows (no recapture)."""
+        sub = RowEvaluator.__new__(RowEvaluator)
+        sub.rows, sub._cands = [self.rows[i] for i in indices], [self._cands[i] for i in indices]
+        return sub
+
+    def predict(self, gpu: GPUProfile) -> list[RowPrediction]:
+        out = []
+        for m, (inputs, cluster, layouts, fits) in zip(self.rows, self._cands):
+            opts = RUNTIMES[m.runtime]
+            best = min(((evaluate(inputs, lo, gpu, cluster, options=opts).step_time_s, lo) for lo in layouts),
+                       key=lambda t: t[0])  # fmt: skip
+            out.append(RowPrediction(m, best[1], best[0], fits))
+        return out
+
+
+def objective(preds: list[RowPrediction]) -> float:
+    """Mean over sources of the mean |error| of their rows (a source with many rows does not dominate)."""
+    by: dict[str, list[float]] = {}
+    for p in preds:
+        by.setdefault(p.measurement.file, []).append(abs(p.error))
+    return sum(sum(v) / len(v) for v in by.values()) / len(by)
+
+
+FACTOR_STEP = 0.005
+
+
+def fit_factor(train: RowEvaluator, gpu: GPUProfile) -> float:
+    """The compute factor on the prior curves that minimises `objective` on the train rows: a 0.02 grid over
+    [0.30, 1.30], refined on a FACTOR_STEP grid around the best point."""
+    grid = [round(0.30 + 0.02 * i, 3) for i in range(51)]
+    best = min(grid, key=lambda f: (objective(train.predict(scaled_profile(gpu, f))), f))
+    fine = [round(best + FACTOR_STEP * i, 3) for i in range(-4, 5) if best + FACTOR_STEP * i > 0]
+    return min(fine, key=lambda f: (objective(train.predict(scaled_profile(gpu, f))), f))
+
+
+@dataclass(frozen=True)
+class FitResult:
+    gpu: str
+    factor: float
+    predictions: list[RowPrediction]  # every row of every source, train and test
+
+    def held_out(self) -> dict[str, tuple[int, float, float]]:
+        """Per source file: test rows, mean and worst |error| in percent."""
+        out: dict[str, tuple[int, float, float]] = {}
+        for f in dict.fromkeys(p.measurement.file for p in self.predictions):
+            errs = [abs(p.error) for p in self.predictions if p.measurement.file == f and p.measurement.split == "test"]
+            if errs:
+                out[f] = (len(errs), 100 * sum(errs) / len(errs), 100 * max(errs))
+        return out
+
+
+def measurement_files() -> list[Path]:
+    """Every measurement CSV shipped in profiles/calibration/."""
+    root = table_path("")
+    return sorted(p for p in root.iterdir() if p.suffix == ".csv")
+
+
+def fit_gpu(gpu: GPUProfile, files: list[Path] | None = None) -> FitResult | None:
+    """Fit `gpu`'s compute factor on the train rows naming it, and predict every row (None: no rows)."""
+    rows = [m for f in files or measurement_files() for m in read_measurements(f) if m.gpu == gpu.name]
+    if not rows:
+        return None
+    everything = RowEvaluator(rows, gpu)
+    train = [i for i, m in enumerate(rows) if m.split == "train"]
+    if train:
+        factor = fit_factor(everything.subset(train), gpu)
+    else:
+        factor = gpu.calibration.compute_factor if gpu.calibration else 1.0
+    return FitResult(gpu.name, factor, everything.predict(scaled_profile(gpu, factor)))

@@ -85,6 +85,7 @@ class Calibration:
     prior_gemm_fractions: tuple[float, ...]
     prior_attention_fractions: tuple[float, ...]
     sources: tuple[str, ...] = ()
+    transferred_from: str = ""  # status "transferred": the profile whose factor (and held-out errors) this copies
     train_rows: int = 0
     test_sources: tuple[str, ...] = ()
     test_rows: tuple[int, ...] = ()
@@ -101,7 +102,8 @@ class Calibration:
                 self.test_sources, self.test_rows, self.test_mean_error_pct, self.test_worst_error_pct
             )
         )
-        return f"{self.status} (factor {self.compute_factor:g} on {self.train_rows} rows); held out: {held}"
+        origin = f" from {self.transferred_from}" if self.transferred_from else ""
+        return f"{self.status}{origin} (factor {self.compute_factor:g} on {self.train_rows} rows); held out: {held}"
 
 
 _CAL_STATUS = ("fitted", "transferred", "prior")

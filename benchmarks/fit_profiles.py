@@ -1,0 +1,134 @@
+"""Fit each GPU profile's compute factor on the train rows of the published measurements, report every row.
+
+python benchmarks/fit_profiles.py [--gpu NAME ...] [--write]
+
+For each GPU profile with rows in profiles/calibration/*.csv (mlm.planner.cost.calibration.read_measurements):
+the factor f on the profile's prior GEMM and attention curves ([calibration] table) that minimises the mean over
+sources of the mean |throughput error| on the rows marked train; then every row (train and test) predicted at f,
+per source the held-out mean / worst |error|. --write puts f, the scaled curves and the held-out errors into the
+profile TOML (profiles/gpus/NAME.toml); tests/test_cost_fit.py re-runs this fit and checks the file agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from pathlib import Path
+
+from mlm.planner.cost.calibration import FitResult, fit_gpu
+from mlm.planner.cost.hardware import list_gpus, load_gpu
+
+GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
+
+
+def print_fit(res: FitResult) -> None:
+    print(f"\n== {res.gpu}: compute factor {res.factor:g} (curves = prior x factor)")
+    print(
+        f"{'source':<38} {'row':<20} {'split':<5} {'tp':>2} {'pp':>3} {'dp':>4} {'mb':>2} {'vpp':>3} "
+        f"{'rc':<9} {'published s':>11} {'predicted s':>11} {'error':>7}"
+    )
+    for p in res.predictions:
+        m, lo = p.measurement, p.layout
+        flag = "" if p.fits else "  (no layout fits the memory model)"
+        print(
+            f"{m.file[:-4]:<38} {m.name:<20} {m.split:<5} {lo.tp:>2} {lo.pp:>3} {lo.dp:>4} {lo.micro_batch:>2} "
+            f"{lo.vpp:>3} {lo.recompute:<9} {m.published_step_s():>11.3f} {p.predicted_step_s:>11.3f} "
+            f"{100 * p.error:>+6.1f}%{flag}"
+        )
+    for f in dict.fromkeys(p.measurement.file for p in res.predictions):
+        for split in ("train", "test"):
+            errs = [
+                100 * abs(p.error) for p in res.predictions if p.measurement.file == f and p.measurement.split == split
+            ]
+            if errs:
+                print(
+                    f"  {f:<44} {split:<5} {len(errs):>2} rows  mean |error| {statistics.mean(errs):5.1f}%  "
+                    f"worst {max(errs):5.1f}%"
+                )
+
+
+def _fmt(xs: list[float] | tuple[float, ...]) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
+
+
+def write_profile(res: FitResult, sources: list[str], name: str | None = None) -> Path:
+    """Scaled curves and the [calibration] numbers into the profile's TOML, comments kept (`name`: a profile of
+    the same chip that takes over `res`'s factor and held-out errors)."""
+    name = name or res.gpu
+    path = GPU_DIR / f"{name}.toml"
+    text = path.read_text()
+    cal = load_gpu(name).calibration
+    assert cal is not None
+    gemm = [min(1.0, f * res.factor) for f in cal.prior_gemm_fractions]
+    attn = [min(1.0, f * res.factor) for f in cal.prior_attention_fractions]
+    text = _set_in_table(text, "gemm_curve", "fractions", _fmt(gemm))
+    text = _set_in_table(text, "attention_curve", "fractions", _fmt(attn))
+    held = res.held_out()
+    train = sum(1 for p in res.predictions if p.measurement.split == "train")
+    values = {
+        "status": '"fitted"' if name == res.gpu else '"transferred"',
+        "compute_factor": f"{res.factor:g}",
+        "sources": "[" + ", ".join(f'"profiles/calibration/{s}"' for s in sources) + "]",
+        "train_rows": str(train),
+        "test_sources": "[" + ", ".join(f'"{s}"' for s in held) + "]",
+        "test_rows": "[" + ", ".join(str(n) for n, _, _ in held.values()) + "]",
+        "test_mean_error_pct": "[" + ", ".join(f"{m:.1f}" for _, m, _ in held.values()) + "]",
+        "test_worst_error_pct": "[" + ", ".join(f"{w:.1f}" for _, _, w in held.values()) + "]",
+    }
+    for key, v in values.items():
+        text = _set_in_table(text, "calibration", key, v)
+    path.write_text(text)
+    return path
+
+
+def _set_in_table(text: str, table: str, key: str, value: str) -> str:
+    """Replace (or append) `key = value` inside [table]."""
+    start = text.index(f"[{table}]")
+    nxt = re.search(r"^\[", text[start + 1 :], flags=re.M)
+    end = start + 1 + nxt.start() if nxt else len(text)
+    body = text[start:end]
+    pat = re.compile(rf"^{re.escape(key)} = .*$", flags=re.M)
+    line = f"{key} = {value}"
+    body = pat.sub(lambda _: line, body, count=1) if pat.search(body) else body.rstrip("\n") + f"\n{line}\n"
+    return text[:start] + body + text[end:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="append", help="only these GPU profiles (default: all with data)")
+    ap.add_argument("--write", action="store_true", help="write the fitted factor and errors into the TOMLs")
+    args = ap.parse_args()
+    names = args.gpu or list_gpus()
+    fits: dict[str, FitResult] = {}
+    for name in names:
+        cal = load_gpu(name).calibration
+        if cal is not None and cal.status == "transferred":
+            continue
+        start = time.perf_counter()
+        res = fit_gpu(load_gpu(name))
+        if res is None:
+            print(f"\n== {name}: no published rows in profiles/calibration/ (prior curves, error unknown)")
+            continue
+        fits[name] = res
+        print_fit(res)
+        print(f"  ({time.perf_counter() - start:.1f} s)")
+        if args.write:
+            print(f"  wrote {write_profile(res, _sources(res))}")
+    for name in list_gpus():  # profiles of the same chip take over the factor fitted for another
+        cal = load_gpu(name).calibration
+        if cal is None or cal.status != "transferred" or cal.transferred_from not in fits:
+            continue
+        res = fits[cal.transferred_from]
+        print(f"\n== {name}: compute factor {res.factor:g} transferred from {res.gpu} (same chip)")
+        if args.write:
+            print(f"  wrote {write_profile(res, _sources(res), name)}")
+
+
+def _sources(res: FitResult) -> list[str]:
+    return sorted(dict.fromkeys(p.measurement.file for p in res.predictions))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Calibration as code: re-run benchmarks/fit_profiles.py's fit on the committed measurements and check that each
+GPU profile says what the fit gives (its factor, its curves, its held-out error per source). Fails when data,
+cost model or profile change without a refit (python benchmarks/fit_profiles.py --write)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlm.planner.cost.calibration import FACTOR_STEP, fit_gpu, measurement_files, read_measurements
+from mlm.planner.cost.hardware import list_gpus, load_gpu
+
+FITTED = [g for g in list_gpus() if (c := load_gpu(g).calibration) is not None and c.status == "fitted"]
+
+
+@pytest.fixture(scope="module")
+def fits():
+    return {g: fit_gpu(load_gpu(g)) for g in FITTED}
+
+
+def test_every_row_is_cited_and_split_and_every_source_holds_rows_out():
+    for path in measurement_files():
+        rows = read_measurements(path)
+        assert rows, path
+        assert all(m.source.strip() and m.split in ("train", "test") for m in rows), path
+        assert any(m.split == "test" for m in rows), f"{path.name}: no held-out rows"
+        for m in rows:
+            assert m.gpus % (m.tp * m.pp) == 0 and m.global_batch % m.dp == 0, (path.name, m.name)
+            assert m.published_step_s() > 0
+
+
+def test_every_profile_states_its_calibration():
+    for g in list_gpus():
+        cal = load_gpu(g).calibration
+        assert cal is not None, f"{g}: no [calibration] table"
+        if cal.status == "transferred":
+            origin = load_gpu(cal.transferred_from).calibration
+            assert origin is not None and origin.status == "fitted"
+            assert cal.compute_factor == origin.compute_factor and cal.test_sources == origin.test_sources
+            assert cal.test_mean_error_pct == origin.test_mean_error_pct
+        if cal.status == "prior":
+            assert cal.compute_factor == 1.0 and not cal.test_sources
+
+
+@pytest.mark.parametrize("name", list_gpus())
+def test_curves_are_the_prior_times_the_factor(name):
+    gpu = load_gpu(name)
+    cal = gpu.calibration
+    assert cal is not None
+    for got, prior in ((gpu.gemm_curve.fractions, cal.prior_gemm_fractions),
+                       (gpu.attention_curve.fractions, cal.prior_attention_fractions)):  # fmt: skip
+        assert got == pytest.approx([min(1.0, p * cal.compute_factor) for p in prior], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_refit_reproduces_the_profile(fits, name):
+    """The factor is the fit's (within one grid step) and the held-out errors are the ones the file claims."""
+    res, cal = fits[name], load_gpu(name).calibration
+    assert res is not None and cal is not None
+    assert abs(res.factor - cal.compute_factor) <= FACTOR_STEP / 2, f"{name}: refit gives {res.factor}"
+    assert cal.train_rows == sum(1 for p in res.predictions if p.measurement.split == "train")
+    held = res.held_out()
+    assert tuple(held) == cal.test_sources
+    for src, n, mean, worst in zip(cal.test_sources, cal.test_rows, cal.test_mean_error_pct, cal.test_worst_error_pct):
+        got_n, got_mean, got_worst = held[src]
+        assert (got_n, round(got_mean, 1), round(got_worst, 1)) == (n, mean, worst), src
+
+
+@pytest.mark.parametrize("name", FITTED)
+def test_train_and_test_rows_are_disjoint_and_all_predicted(fits, name):
+    res = fits[name]
+    rows = [m for f in measurement_files() for m in read_measurements(f) if m.gpu == name]
+    assert len(res.predictions) == len(rows)
+    keys = [(p.measurement.file, p.measurement.name) for p in res.predictions]
+    assert len(set(keys)) == len(keys)
+    for p in res.predictions:  # the row's pinned mesh is the one evaluated
+        m, lo = p.measurement, p.layout
+        assert (lo.tp, lo.pp, lo.world_size, lo.global_batch, lo.zero) == (m.tp, m.pp, m.gpus, m.global_batch, m.zero)
+        assert lo.recompute in m.recompute and lo.sequence_parallel == m.sp

@@ -126,7 +126,7 @@ def _build_calibration(data: Any, source: str) -> Calibration:
             continue
         v, hint, where = data[key], hints[key], f"{source}: key 'calibration.{key}'"
         if hint is str:
-            if not isinstance(v, str) or not v:
+            if not isinstance(v, str) or (not v and f.default is dataclasses.MISSING):
                 raise PlanError(f"{where} must be a non-empty string, got {v!r}")
         elif hint is int:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -13,7 +13,8 @@ import importlib.util
 import inspect
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -122,11 +123,41 @@ def _import_file(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
     try:
-        spec.loader.exec_module(module)
+        with sibling_imports(path):
+            spec.loader.exec_module(module)
     except Exception as e:  # user code: report where it failed
         del sys.modules[mod_name]
         raise ModelLoadError(f"importing {path} failed: {_user_frame(e, path)}") from None
     return module
+
+
+@contextmanager
+def sibling_imports(path: Path) -> Iterator[None]:
+    """Let the model file import modules next to it (`from model import GPT`, as nanoGPT's scripts do): its
+    directory leads sys.path while it runs, and the sibling modules it imported leave sys.modules afterwards, so
+    two model directories that both hold a model.py do not see each other's (the functions keep their globals)."""
+    folder = str(path.resolve().parent)
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+        added = set(sys.modules) - before
+        siblings = {name for name in added if "." not in name and _beside(sys.modules[name], folder)}
+        for name in added:
+            if name.split(".")[0] in siblings:
+                del sys.modules[name]
+
+
+def _beside(module: ModuleType, folder: str) -> bool:
+    """Whether a top-level module is a file or package directly inside `folder`."""
+    file = getattr(module, "__file__", None)
+    if not file:
+        return False
+    where = Path(file).resolve()
+    return str(where.parent if where.name != "__init__.py" else where.parent.parent) == folder
 
 
 def _find_entry(module: ModuleType, path: Path) -> str:
@@ -152,7 +183,7 @@ def instantiate(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Modu
     """Call the factory with spec.args under `device` (meta: no parameter memory) and check it is a module."""
     obj = spec.factory
     try:
-        with torch.device(device):
+        with torch.device(device), sibling_imports(spec.path):
             model = obj(**spec.args) if callable(obj) and not isinstance(obj, nn.Module) else obj
     except TypeError as e:
         if spec.args and "argument" in str(e):

@@ -71,7 +71,9 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
                 raise TraceError(f"{e} [at the default seq_len {seq}; pass --seq-len N if fewer fit]") from None
             try:
                 captured = _capture_model(spec, build_meta(spec), shorter, method, replicate)
-            except TraceError:
+            except TraceError as retry:
+                if str(retry) == str(e):  # the same failure at both lengths: the length is not the cause
+                    raise
                 raise TraceError(f"{e} [at the default seq_len {seq}, and at {shorter}; pass --seq-len N]") from None
             seq_note = (
                 f"seq_len {shorter}: capture at the default {seq} failed and the model holds {shorter} positions "
@@ -260,15 +262,20 @@ def _required_forward_args(model: nn.Module) -> list[str]:
 
 
 def _forward_hint(model: nn.Module) -> str:
-    """For a capture fed guessed inputs: what the forward takes and how to give it the right inputs."""
-    params = _forward_params(model)
-    named = [p.name for p in params if p.default is p.empty] or [
-        p.name for p in params if re.search(r"input|ids|embed|pixel|values|features|decoder|sample", p.name)
-    ][:8]
-    takes = f" (its forward takes {', '.join(named)})" if named else ""
+    """For a capture fed guessed inputs, when the forward takes other inputs (encoder-decoders, pixel models):
+    name them and the hook that supplies them. Empty when the forward takes one input."""
+    others = [
+        p.name
+        for p in _forward_params(model)[1:]
+        if re.search(r"input|ids|embed|pixel|values|features|decoder|sample|mask", p.name)
+    ]
+    if not others:
+        return ""
+    first = _forward_params(model)[0].name
     return (
-        f"; mlm fed {type(model).__name__} one (1, seq_len) tensor of token ids{takes}: define "
-        f"example_inputs(batch_size, seq_len) in the model file returning the forward's inputs (a dict for keywords)"
+        f"; mlm fed {type(model).__name__} one (1, seq_len) tensor of token ids as {first}, and its forward also "
+        f"takes {', '.join(others[:8])}: define example_inputs(batch_size, seq_len) in the model file returning "
+        f"the forward's inputs (a dict for keywords)"
     )
 
 

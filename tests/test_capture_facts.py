@@ -88,3 +88,24 @@ def test_full_size_presets_match_their_published_shapes(name: str) -> None:
     ir = capture(spec, seq_len=128)
     assert (ir.hidden_size, ir.num_heads, ir.num_kv_heads, ir.head_dim, ir.vocab_size) == want
     assert not any("graph gives" in w for w in ir.warnings)
+
+
+@pytest.mark.parametrize(
+    ("model", "entry", "args", "seq", "kind"),
+    [
+        (HF, "build_gpt2", {}, 16, "causal"),
+        (ODD, "build_heads_gpt", {"manual": True}, 16, "causal"),  # masked_fill with triu(1): hidden = future
+        (ZOO, "build_bert", {}, 16, "full"),
+        (ZOO, "build_mistral", {"sliding_window": 16}, 64, "sliding window 16"),
+        (ZOO, "build_mistral", {"sliding_window": 16}, 16, "causal"),  # the window covers the whole sequence
+    ],
+)
+def test_attention_kind_is_read_from_the_mask(model: str, entry: str, args: dict, seq: int, kind: str) -> None:
+    ir = capture(load_model_spec(model, entry, args), seq_len=seq)
+    assert ir.attention_kinds == (kind,)
+
+
+def test_encoder_decoder_cross_attention_is_found_and_the_facts_come_from_self_attention() -> None:
+    ir = capture(load_model_spec(str(MODELS / "hf_t5.py"), args={"d_model": 32, "d_kv": 8, "num_heads": 4}), seq_len=8)
+    assert "cross" in ir.attention_kinds
+    assert (ir.num_heads, ir.num_kv_heads, ir.head_dim, ir.hidden_size, ir.vocab_size) == (4, 4, 8, 32, 96)

@@ -24,6 +24,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from mlm.planner.capture import masks
 from mlm.planner.capture.ops import ATTENTION_OPS, OpCost, op_name, val
 
 # kinds the key walk passes through (they keep the key a key); anything else produced it
@@ -44,10 +45,11 @@ class AttentionSite:
     head_dim: int
     q_len: int
     kv_len: int
+    kind: str = "full"  # "causal", "full", "sliding window W", "cross", "masked", "masked (not evaluated)"
 
     @property
     def is_self_attention(self) -> bool:
-        return self.q_len == self.kv_len
+        return self.kind != "cross" and self.q_len == self.kv_len
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Facts:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    attention_kinds: tuple[str, ...]
     warnings: tuple[str, ...]
 
 
@@ -84,13 +87,21 @@ def graph_facts(
     """Read the facts from the captured calls (`dependent`: nodes computed from the batch)."""
     sites = tuple(_attention_sites(calls, owner, costs, dependent))
     hidden, hidden_from = _hidden(calls, owner, dependent, params, first_block)
+    head = _output_projection(calls, costs)
+    head_out, head_in = (val(head), _activation_in(head, params)) if head is not None else (None, None)
+    if hidden is None and head_in is not None:
+        hidden, hidden_from = int(head_in.shape[-1]), "the input of the output projection"
     return GraphFacts(
         attention=sites,
         hidden=hidden,
         hidden_from=hidden_from,
         vocab_in=_vocab_in(calls, dependent, params),
-        vocab_out=_vocab_out(calls, costs),
+        vocab_out=int(head_out.shape[-1]) if head_out is not None else None,
     )
+
+
+def _activation_in(n: torch.fx.Node, params: set[torch.fx.Node]) -> torch.Tensor | None:
+    return next((t for a in _inputs(n) if a not in params and (t := val(a)) is not None), None)
 
 
 def _inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
@@ -116,7 +127,16 @@ def _attention_sites(
             s_q, d, s_k = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
             heads = q.numel() // max(s_q * d, 1)
             kv = _heads_before_broadcast(tensors[1], s_k, int(k.shape[-1]), costs, dependent)
-            yield AttentionSite(owner.get(n, ""), _module(n), "scaled_dot_product_attention", heads, kv, d, s_q, s_k)
+            mask, causal = masks.sdpa_mask(n)
+            if mask is None:
+                kind = "causal" if causal else "full"
+            else:
+                kind = masks.describe(masks.allowed_pairs(mask, "allow", s_q, s_k, dependent), causal)
+            if _is_cross(tensors[0], tensors[1], _module(n), dependent):
+                kind = "cross"
+            yield AttentionSite(
+                owner.get(n, ""), _module(n), "scaled_dot_product_attention", heads, kv, d, s_q, s_k, kind
+            )
         elif costs[n].kind == "softmax":
             site = _softmax_site(n, owner, costs, dependent)
             if site is not None:
@@ -147,7 +167,74 @@ def _softmax_site(
     if heads < 1 or d < 1:
         return None
     kv = _heads_before_broadcast(operands[1], s_k, d, costs, dependent)
-    return AttentionSite(owner.get(scores, ""), _module(scores), "matmul-softmax-matmul", heads, kv, d, s_q, s_k)
+    kind = (
+        "cross"
+        if _is_cross(operands[0], operands[1], _module(scores), dependent)
+        else _score_mask(softmax, scores, costs, dependent)
+    )
+    return AttentionSite(owner.get(scores, ""), _module(scores), "matmul-softmax-matmul", heads, kv, d, s_q, s_k, kind)
+
+
+def _score_mask(
+    softmax: torch.fx.Node, scores: torch.fx.Node, costs: dict[torch.fx.Node, OpCost], dependent: set[torch.fx.Node]
+) -> str:
+    """The mask applied between the score matmul and the softmax (masked_fill, where, or an added bias)."""
+    s = val(scores)
+    assert s is not None
+    s_q, s_k = int(s.shape[-2]), int(s.shape[-1])
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+    stack, seen, found = [softmax], set(), False
+    while stack:
+        n = stack.pop()
+        if n in seen or n is scores or n not in costs:
+            continue
+        seen.add(n)
+        args = [a for a in _inputs(n)]
+        name = op_name(n)
+        masks_here: list[tuple[torch.fx.Node, str]] = []
+        if name == "masked_fill" and len(args) >= 2:
+            masks_here = [(args[1], "block")]
+        elif name == "where" and len(args) >= 1 and args[0] not in dependent:
+            on_true = len(n.args) > 1 and isinstance(n.args[1], torch.fx.Node) and n.args[1] in dependent
+            masks_here = [(args[0], "allow" if on_true else "block")]
+        elif name in ("add", "sub"):
+            masks_here = [(a, "bias") for a in args if a not in dependent and val(a) is not None]
+        for mask, meaning in masks_here:
+            found = True
+            pairs = masks.allowed_pairs(mask, meaning, s_q, s_k, dependent)
+            if pairs is None:
+                return "masked (not evaluated)"
+            allowed &= pairs
+        if n is softmax or costs[n].kind in _WALK_KINDS:
+            stack.extend(a for a in args if a in dependent)
+    return masks.describe(allowed, False) if found else "full"
+
+
+def _is_cross(q: torch.fx.Node, k: torch.fx.Node, scope: str, dependent: set[torch.fx.Node]) -> bool:
+    """Whether keys come from other activations than queries (a decoder reading an encoder's output): inside
+    the attention op's module `scope`, the batch-dependent tensors that feed q share none with those feeding k."""
+    if not scope:
+        return False
+
+    def sources(n: torch.fx.Node) -> set[torch.fx.Node]:
+        out: set[torch.fx.Node] = set()
+        stack, seen = [n], set()
+        while stack:
+            a = stack.pop()
+            if a in seen or a not in dependent:
+                continue
+            seen.add(a)
+            out.add(a)
+            if _in_scope(a, scope):
+                stack.extend(_inputs(a))
+        return out
+
+    return not (sources(q) & sources(k))
+
+
+def _in_scope(n: torch.fx.Node, scope: str) -> bool:
+    stack = n.meta.get("nn_module_stack") or {}
+    return any(str(path) == scope for path, _ in stack.values())
 
 
 def _producer(
@@ -268,8 +355,8 @@ def _vocab_in(calls: list[torch.fx.Node], dependent: set[torch.fx.Node], params:
     return None
 
 
-def _vocab_out(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost]) -> int | None:
-    """Output width of the linear whose output, through views and casts, is the cross-entropy's input."""
+def _output_projection(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost]) -> torch.fx.Node | None:
+    """The linear whose output, through views and casts, is the cross-entropy's input (the logits)."""
     for n in calls:
         if op_name(n) not in _CE_LOSSES:
             continue
@@ -277,9 +364,8 @@ def _vocab_out(calls: list[torch.fx.Node], costs: dict[torch.fx.Node, OpCost]) -
         if not tensors:
             continue
         logits = _producer_from(tensors[0], costs, lambda m: costs[m].kind == "linear")
-        if logits is not None:
-            t = val(logits)
-            return int(t.shape[-1]) if t is not None else None
+        if logits is not None and val(logits) is not None:
+            return logits
     return None
 
 
@@ -306,6 +392,7 @@ ATTRIBUTE_NAMES = {
     "hidden_size": ("n_embd", "hidden_size", "dim", "d_model", "embed_dim"),
     "num_heads": ("n_head", "num_attention_heads", "n_heads", "num_heads"),
     "num_kv_heads": ("n_kv_heads", "num_key_value_heads", "n_kv_head", "num_kv_heads"),
+    "head_dim": ("head_dim", "d_kv", "head_size"),
     "vocab_size": ("vocab_size", "n_vocab"),
     "context": ("block_size", "n_positions", "max_position_embeddings", "max_seq_len", "seq_len", "n_ctx"),
 }
@@ -353,6 +440,7 @@ def resolve(graph: GraphFacts, attrs: dict[str, tuple[int, str]], embedding_dim:
             kv = heads
         _cross_check("num_heads", heads, f"query of {where}", attrs, notes)
         _cross_check("num_kv_heads", kv, f"key of {where} before any repeat/expand", attrs, notes)
+        _cross_check("head_dim", head_dim, f"query of {where}", attrs, notes)
     hidden = graph.hidden
     if hidden is None:
         fallback = embedding_dim or attrs.get("hidden_size", (0, ""))[0]
@@ -361,7 +449,8 @@ def resolve(graph: GraphFacts, attrs: dict[str, tuple[int, str]], embedding_dim:
     else:
         _cross_check("hidden_size", hidden, graph.hidden_from, attrs, notes)
     vocab = _vocab(graph, attrs, notes)
-    return Facts(hidden, heads, kv, head_dim, vocab, tuple(notes))
+    kinds = tuple(dict.fromkeys(s.kind for s in graph.attention))
+    return Facts(hidden, heads, kv, head_dim, vocab, kinds, tuple(notes))
 
 
 def _representative(sites: tuple[AttentionSite, ...], notes: list[str]) -> AttentionSite | None:

@@ -86,6 +86,7 @@ class ModelIR:
     capture_seconds: float
     tied_embeddings: bool = False
     head_dim: int = 0  # from the attention op's query (0: no attention op found); not always hidden // heads
+    attention_kinds: tuple[str, ...] = ()  # distinct kinds in graph order: "causal", "sliding window 4096", ...
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
 
     @property

@@ -31,6 +31,7 @@ def inspect_summary(ir: ModelIR) -> dict[str, Any]:
         "num_heads": ir.num_heads,
         "num_kv_heads": ir.num_kv_heads,
         "head_dim": ir.head_dim,
+        "attention_kinds": list(ir.attention_kinds),
         "vocab_size": ir.vocab_size,
         "num_layers": ir.num_layers,
         "num_params": ir.num_params,

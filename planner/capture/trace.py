@@ -94,6 +94,7 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
         capture_seconds=time.perf_counter() - start,
         tied_embeddings=tied,
         head_dim=facts.head_dim,
+        attention_kinds=facts.attention_kinds,
         warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
     )
 

@@ -25,3 +25,36 @@ def build_t5():
 
     cfg = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, use_cache=False)
     return T5ForConditionalGeneration(cfg)
+
+
+def build_mistral(sliding_window=16, max_position_embeddings=64):
+    """Mistral attends to a sliding window of the last `sliding_window` positions in every layer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        sliding_window=sliding_window,
+        max_position_embeddings=max_position_embeddings,
+        use_cache=False,
+    )
+    return MistralForCausalLM(cfg)
+
+
+def build_bert():
+    """A bidirectional encoder (masked language model): every position attends to every other."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=96,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
+    return BertForMaskedLM(cfg)

@@ -85,7 +85,7 @@ def write_profile(res: FitResult, sources: list[str], name: str | None = None) -
 
 def _set_in_table(text: str, table: str, key: str, value: str) -> str:
     """Replace (or append) `key = value` inside [table]."""
-    start = text.index(f"[{table}]")
+    start = re.search(rf"^\[{re.escape(table)}\][ \t]*$", text, flags=re.M).start()  # the header, not a comment
     nxt = re.search(r"^\[", text[start + 1 :], flags=re.M)
     end = start + 1 + nxt.start() if nxt else len(text)
     body = text[start:end]

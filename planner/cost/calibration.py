@@ -166,6 +166,10 @@ RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream
     "megatron-core": CostOptions(dp_overlap=1.0, tp_overlap=1.0),  # --overlap-grad-reduce/-param-gather, tp-comm
     "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
+    # MosaicML Composer FSDP (FULL_SHARD, prefetch), gradients reduce-scattered on every micro-batch;
+    # mixed precision PURE reduces bf16 gradients, DEFAULT fp32
+    "composer-fsdp-pure": CostOptions(zero3_reduce_every_microbatch=True),
+    "composer-fsdp-default": CostOptions(zero3_reduce_every_microbatch=True, grad_reduce_bytes=4.0),
 }
 RECOMPUTE_SEARCH = ("none", "selective", "full")
 
@@ -287,8 +291,8 @@ def read_measurements(path: Path) -> list[Measurement]:
 
 
 def capture_measurement(m: Measurement) -> ModelCostInputs:
-    """Summarised IR of a row's model: the GPT preset (Megatron-LM 2021 kernels when attention is manual) or the
-    Llama preset, with the row's shape."""
+    """Summarised IR of a row's model: the GPT preset (Megatron-LM 2021 kernels when attention is manual; no
+    biases for arch "mpt") or the Llama preset, with the row's shape."""
     from mlm.planner.capture.loader import load_model_spec
     from mlm.planner.capture.trace import capture
 
@@ -299,7 +303,7 @@ def capture_measurement(m: Measurement) -> ModelCostInputs:
     else:
         assert m.ffn == 4 * m.hidden, f"{m.name}: the GPT preset has a 4h MLP"
         args = dict(n_layer=m.layers, n_head=m.heads, n_embd=m.hidden, vocab_size=m.vocab, block_size=m.seq,
-                    bias=True)  # fmt: skip
+                    bias=m.arch != "mpt")  # fmt: skip
         if m.attention == "manual":
             spec = load_model_spec(__file__, entry="build_megatron_2021", args=args)
         else:

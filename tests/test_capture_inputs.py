@@ -100,3 +100,11 @@ def test_replicated_blocks_are_a_warning() -> None:
     assert not any(w.startswith("blocks assumed identical") for w in ir.warnings)  # no repeated container
     ir = capture(load_model_spec(HF, "build_gpt2", {"n_layer": 3}), seq_len=8)
     assert any(w.startswith("blocks assumed identical") and "3 children" in w for w in ir.warnings)
+
+
+def test_parameters_no_captured_op_reads_are_a_warning() -> None:
+    ir = capture(load_model_spec(EDGE, "build_aux_head", {"vocab": 40, "width": 16}), seq_len=8)
+    note = next(w for w in ir.warnings if "take part in no captured op" in w)
+    assert "value_head.weight" in note and f"{16 + 1:,} elements" in note
+    assert ir.num_params == 40 * 16 + 16 * 40 + 40 + 16 + 1  # still counted in the model's size
+    assert not any("no captured op" in w for w in capture(load_model_spec(EDGE, "build_capped"), seq_len=8).warnings)

@@ -61,6 +61,7 @@ class GraphFacts:
     hidden_from: str
     vocab_in: int | None  # rows of the embedding that reads the token ids
     vocab_out: int | None  # output width of the linear feeding the cross-entropy loss
+    unused_params: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no captured op reads
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,18 @@ def graph_facts(
         hidden_from=hidden_from,
         vocab_in=_vocab_in(calls, dependent, params),
         vocab_out=int(head_out.shape[-1]) if head_out is not None else None,
+    )
+
+
+def unused_parameters(model: nn.Module, used: set[str]) -> tuple[tuple[str, int], ...]:
+    """Parameters (by any of their tied names) that no captured op reads: their compute is not costed."""
+    names: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        sizes[id(p)] = p.numel()
+    return tuple(
+        (aliases[0], sizes[key]) for key, aliases in names.items() if not any(name in used for name in aliases)
     )
 
 
@@ -449,6 +462,15 @@ def resolve(graph: GraphFacts, attrs: dict[str, tuple[int, str]], embedding_dim:
     else:
         _cross_check("hidden_size", hidden, graph.hidden_from, attrs, notes)
     vocab = _vocab(graph, attrs, notes)
+    if graph.unused_params:
+        listed = ", ".join(name for name, _ in graph.unused_params[:4])
+        more = f" and {len(graph.unused_params) - 4} more" if len(graph.unused_params) > 4 else ""
+        total = sum(n for _, n in graph.unused_params)
+        notes.append(
+            f"{len(graph.unused_params)} parameters ({total:,} elements: {listed}{more}) take part in no captured "
+            f"op: they are counted in the model's size but their compute is not costed (e.g. MoE experts the "
+            f"captured routing never reached)"
+        )
     kinds = tuple(dict.fromkeys(s.kind for s in graph.attention))
     return Facts(hidden, heads, kv, head_dim, vocab, kinds, tuple(notes))
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from mlm.planner.capture.facts import GraphFacts, attribute_facts, graph_facts, resolve
+from mlm.planner.capture.facts import GraphFacts, attribute_facts, graph_facts, resolve, unused_parameters
 from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
 from mlm.planner.capture.loader import ModelSpec, instantiate
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
@@ -372,7 +372,9 @@ def build_layers(
             )
         )
     first_block = f"{group.fqn}.{group.children[0]}" if group is not None else None
-    return layers, graph_facts(calls, owner, costs, dependent, is_param, first_block)
+    found = graph_facts(calls, owner, costs, dependent, is_param, first_block)
+    read = {_strip_root(name) for node, name in params.items() if any(u in costs for u in node.users)}
+    return layers, replace(found, unused_params=unused_parameters(model, read))
 
 
 def _input_dependent(graph: torch.fx.Graph, is_param: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -4,6 +4,7 @@
 - `CountedBlocks`: iterates its blocks by a stored count (cutting the container to one block breaks it), so
   capture falls back to the whole model.
 - `TwoInputs`: a forward with two required tensors mlm cannot guess.
+- `AuxHead`: parameters the captured forward never reads.
 """
 
 from torch import nn
@@ -57,3 +58,21 @@ class TwoInputs(nn.Module):
 
 def build_two_inputs(**kwargs):
     return TwoInputs(**kwargs)
+
+
+class AuxHead(nn.Module):
+    """A language model with a value head its training forward does not run (as RLHF policy models carry)."""
+
+    def __init__(self, vocab=40, width=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.proj = nn.Linear(width, vocab)
+        self.value_head = nn.Linear(width, 1)
+
+    def forward(self, ids, with_value=False):
+        x = self.emb(ids)
+        return (self.proj(x), self.value_head(x)) if with_value else self.proj(x)
+
+
+def build_aux_head(**kwargs):
+    return AuxHead(**kwargs)

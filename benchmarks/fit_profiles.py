@@ -49,6 +49,30 @@ def print_fit(res: FitResult) -> None:
                 )
 
 
+def markdown(res: FitResult) -> str:
+    """Per-source tables (row, split, layout evaluated, published vs predicted step, error) for docs/calibration.md."""
+    out = []
+    for f in dict.fromkeys(p.measurement.file for p in res.predictions):
+        preds = [p for p in res.predictions if p.measurement.file == f]
+        out.append(f"\n#### {res.gpu}: `profiles/calibration/{f}` ({preds[0].measurement.source})\n")
+        out.append("| row | split | tp | pp | dp | mb | vpp | recompute | published s | predicted s | error |")
+        out.append("| --- | --- | --: | --: | --: | --: | --: | --- | --: | --: | --: |")
+        for p in preds:
+            m, lo = p.measurement, p.layout
+            fit = "" if p.fits else " (no layout fits the memory model)"
+            out.append(
+                f"| {m.name} | {m.split} | {lo.tp} | {lo.pp} | {lo.dp} | {lo.micro_batch} | {lo.vpp} | "
+                f"{lo.recompute} | {m.published_step_s():.3f} | {p.predicted_step_s:.3f} | {100 * p.error:+.1f}%{fit} |"
+            )
+        for split in ("train", "test"):
+            errs = [100 * abs(p.error) for p in preds if p.measurement.split == split]
+            if errs:
+                out.append(
+                    f"\n{split}: {len(errs)} rows, mean |error| {statistics.mean(errs):.1f}%, worst {max(errs):.1f}%"
+                )
+    return "\n".join(out)
+
+
 def _fmt(xs: list[float] | tuple[float, ...]) -> str:
     return "[" + ", ".join(f"{x:.4g}" for x in xs) + "]"
 
@@ -99,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="append", help="only these GPU profiles (default: all with data)")
     ap.add_argument("--write", action="store_true", help="write the fitted factor and errors into the TOMLs")
+    ap.add_argument("--markdown", action="store_true", help="print the per-source tables as Markdown instead")
     args = ap.parse_args()
     names = args.gpu or list_gpus()
     fits: dict[str, FitResult] = {}
@@ -112,6 +137,9 @@ def main() -> None:
             print(f"\n== {name}: no published rows in profiles/calibration/ (prior curves, error unknown)")
             continue
         fits[name] = res
+        if args.markdown:
+            print(f"\n### {name}: compute factor {res.factor:g}\n" + markdown(res))
+            continue
         print_fit(res)
         print(f"  ({time.perf_counter() - start:.1f} s)")
         if args.write:

@@ -108,3 +108,14 @@ def test_parameters_no_captured_op_reads_are_a_warning() -> None:
     assert "value_head.weight" in note and f"{16 + 1:,} elements" in note
     assert ir.num_params == 40 * 16 + 16 * 40 + 40 + 16 + 1  # still counted in the model's size
     assert not any("no captured op" in w for w in capture(load_model_spec(EDGE, "build_capped"), seq_len=8).warnings)
+
+
+def test_position_lookup_past_the_table_is_caught_although_meta_runs_it() -> None:
+    spec = load_model_spec(EDGE, "build_table_positions", {"positions": 20, "vocab": 40})
+    ir = capture(spec)
+    assert ir.seq_len == 20
+    assert any(w.startswith("seq_len 20") and "where" in w for w in ir.warnings)
+    ir = capture(spec, seq_len=30)  # a length the user chose is kept, and the problem said
+    assert ir.seq_len == 30
+    assert any("cannot run at this length" in w and "--seq-len 20" in w for w in ir.warnings)
+    assert not any("cannot run" in w for w in capture(spec, seq_len=20).warnings)

@@ -62,6 +62,7 @@ class GraphFacts:
     vocab_in: int | None  # rows of the embedding that reads the token ids
     vocab_out: int | None  # output width of the linear feeding the cross-entropy loss
     unused_params: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no captured op reads
+    short_table: tuple[int, int, str] | None = None  # (rows, positions read, module) of a too-short position table
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,34 @@ def graph_facts(
         hidden_from=hidden_from,
         vocab_in=_vocab_in(calls, dependent, params),
         vocab_out=int(head_out.shape[-1]) if head_out is not None else None,
+        short_table=_short_table(calls, dependent, params),
     )
+
+
+_LOOKUPS = frozenset({"embedding", "index", "index_select"})
+
+
+def _short_table(
+    calls: list[torch.fx.Node], dependent: set[torch.fx.Node], params: set[torch.fx.Node]
+) -> tuple[int, int, str] | None:
+    """A table lookup with constant indices (positions from an arange) reading past the table's rows: on the meta
+    device it runs, on a GPU it would fail. The indices are re-run on the CPU to find the largest one."""
+    for n in calls:
+        if op_name(n) not in _LOOKUPS:
+            continue
+        tensors = [a for a in _inputs(n) if val(a) is not None]
+        weight = next((a for a in tensors if a in params and val(a).dim() == 2), None)  # type: ignore[union-attr]
+        index = next((a for a in tensors if a not in params and not val(a).is_floating_point()), None)  # type: ignore[union-attr]
+        if weight is None or index is None or index in dependent:
+            continue
+        rows = int(val(weight).shape[0])  # type: ignore[union-attr]
+        idx = val(index)
+        if idx is None or idx.numel() <= rows or idx.numel() > masks.MAX_EVALUATED**2:
+            continue  # positions 0..numel-1 of an arange fit the table
+        values = masks.evaluate(index)
+        if isinstance(values, torch.Tensor) and values.numel() and int(values.max()) >= rows:
+            return rows, int(values.max()) + 1, _module(n).removeprefix("model.")
+    return None
 
 
 def unused_parameters(model: nn.Module, used: set[str]) -> tuple[tuple[str, int], ...]:

@@ -80,7 +80,21 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
                 f"(pass --seq-len to change)"
             )
             seq = shorter
+        short = captured[2].short_table
+        if short is not None and short[0] < seq:  # runs on meta, would index past the table on a GPU
+            captured = _capture_model(spec, build_meta(spec), short[0], method, replicate)
+            seq_note = (
+                f"seq_len {short[0]}: the position table of {short[2] or 'the model'} holds {short[0]} positions, "
+                f"fewer than the default {seq} (pass --seq-len to change)"
+            )
+            seq = short[0]
     layers, how, found, notes = captured
+    if found.short_table is not None:
+        rows, read, where = found.short_table
+        notes.append(
+            f"seq_len {seq} reads position {read - 1} of {where or 'a position table'}, which holds {rows}: the "
+            f"model cannot run at this length on a GPU (pass --seq-len {rows} or less)"
+        )
     facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None)
     return ModelIR(
         layers=tuple(layers),

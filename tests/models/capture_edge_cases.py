@@ -5,8 +5,10 @@
   capture falls back to the whole model.
 - `TwoInputs`: a forward with two required tensors mlm cannot guess.
 - `AuxHead`: parameters the captured forward never reads.
+- `TablePositions`: an nn.Embedding position table shorter than the default sequence length.
 """
 
+import torch
 from torch import nn
 
 
@@ -76,3 +78,21 @@ class AuxHead(nn.Module):
 
 def build_aux_head(**kwargs):
     return AuxHead(**kwargs)
+
+
+class TablePositions(nn.Module):
+    """Learned positions looked up by index (nn.Embedding) and named by no context attribute: on the meta device
+    a lookup past the table's end runs; on a GPU it fails."""
+
+    def __init__(self, vocab=40, width=16, positions=20):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.where = nn.Embedding(positions, width)
+        self.proj = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.proj(self.emb(ids) + self.where(torch.arange(ids.shape[1], device=ids.device)))
+
+
+def build_table_positions(**kwargs):
+    return TablePositions(**kwargs)

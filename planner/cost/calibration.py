@@ -1,4 +1,12 @@
-"""Calibration against Narayanan et al. 2021 (Megatron-LM), Table 1: predicted vs published TFLOP/s per GPU.
+"""Calibration: the cost model against published training runs, and the fit of each GPU profile's compute factor.
+
+Two parts. First (calibrate, calibrate_row), Narayanan et al. 2021 (Megatron-LM) Table 1: predicted vs published
+TFLOP/s per GPU, as benchmarks/calibrate_megatron.py prints it. Second (read_measurements ... fit_gpu), every
+measurement CSV in profiles/calibration/ in one schema, each row with its source and train/test split: the
+compute factor on a profile's prior curves that minimises the train rows' error, and the error of every row at it
+(benchmarks/fit_profiles.py; tests/test_cost_fit.py re-runs it against the profiles).
+
+Table 1:
 
 For each row: the megatron-* preset, tp and pp pinned, dp = gpus/(tp·pp), a100-80gb on dgx-a100, full recompute,
 no sequence parallelism and zero 0 (both postdate the paper), and the fastest fitting micro-batch in {1, 2, 4, 8}

@@ -31,8 +31,9 @@ Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s (the bu
 per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops) + bubble_s + dp_comm_s (exposed
 part) + optimizer_s, exactly.
 
-Calibration: only the A100 GEMM efficiency curve (profiles/gpus/a100-*.toml) was fitted, one global factor on the
-prior, against Narayanan et al. 2021 Table 1 (planner/cost/calibration.py, benchmarks/calibrate_megatron.py).
+Calibration: each GPU profile's GEMM and attention curves are its prior times one compute factor fitted on the
+train rows of the published runs in profiles/calibration/ and checked on held-out rows (planner/cost/calibration.py,
+benchmarks/fit_profiles.py, the profile's [calibration] table, docs/calibration.md).
 """
 
 from __future__ import annotations

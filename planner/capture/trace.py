@@ -7,6 +7,11 @@ loss) and replicates the block's costs. When blocks differ, or the cut model doe
 captured. symbolic_trace is tried first as the fast path; real model code (shape control flow, optional targets)
 usually needs torch.export's non-strict mode, which is the fallback. Nothing is decomposed: attention stays one
 scaled_dot_product_attention op rather than a materialised seq x seq score matrix.
+
+The architecture facts (heads, kv heads, head_dim, hidden size, vocabulary, attention kind) are read from the
+same graph (facts.py), attribute names only cross-check them (attributes.py), and every choice capture makes
+for the user (the default sequence length, replicated blocks, the whole-model fallback, a disagreement, a fact
+not found) is one sentence in ModelIR.warnings.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch
 import torch.fx
 from torch import nn
 
-from mlm.planner.capture.facts import GraphFacts, attribute_facts, graph_facts, resolve, unused_parameters
+from mlm.planner.capture.attributes import attribute_facts, resolve
+from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
 from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
 from mlm.planner.capture.loader import ModelSpec, instantiate
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val

@@ -1,21 +1,22 @@
-"""Search for the fastest layout that fits: enumeration of the outer choices, pruned by memory, with the stage
-MILP refining the best candidates.
+"""Search for the fastest layout that fits: enumeration of the outer choices, then the stage MILP, pruned only
+by valid bounds, so that pinning a field can never find a faster layout than leaving it free.
 
-Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are few enough to enumerate
-once divisibility rules are applied. Each is scored by the cost model with balanced stages (pure arithmetic,
-microseconds), pruned with two monotonicity facts of the memory model: if the least memory-hungry variant of a
-(tp, pp, zero) group (micro-batch 1, vpp 1, full recompute, sequence parallelism; selective recompute is tried as
-well, since a GPU with one block and one in-flight micro-batch needs more memory under full recompute) does not
-fit, no variant does; and for fixed other choices, more recompute only adds time, so the first recompute level
-that fits is the only one kept. A group whose probe overflows with balanced stages gets the stage MILP before it
-is discarded (uneven stages can move blocks off the embedding's / head's stage); there each (vpp, sp) is tried
-at its most memory-saving recompute level, the MILP choosing the per-stage recompute counts. The top candidates
-then get the stage MILP (planner/search/stage_milp.py): uneven blocks per stage and per-stage recompute counts,
-re-scored by the same cost model.
+Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are enumerated once
+divisibility rules are applied: every micro-batch dividing the per-replica batch, every vpp that splits the
+blocks evenly. Each is scored by the cost model with balanced stages (pure arithmetic). Cut without losing an
+optimum: a (tp, pp, dp, zero) group whose least memory-hungry variant (micro-batch 1, vpp 1, sequence
+parallelism, full or selective recompute) fits under no assignment of blocks to stages (stage_milp.memory_may_fit);
+micro-batches above one at which a (vpp, sp) fits under no assignment (memory grows with the micro-batch);
+recompute levels above the first that fits balanced are queued unevaluated (their bound is the same). Then
+every queued layout, in order of stage_lower_bound, gets the LP bound of stage_milp.pipeline_lower_bound and,
+where that can still beat the best found, the stage MILP (planner/search/stage_milp.py): uneven blocks per stage
+and per-stage recompute counts, re-scored by the same cost model. A MILP stopped at its time limit is reported in
+SearchResult.notes (plan.json warnings).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -26,10 +27,14 @@ from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
 from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
-from mlm.planner.search.stage_milp import StageProblem, solve_stages
+from mlm.planner.search.stage_milp import (
+    StageProblem,
+    memory_may_fit,
+    pipeline_lower_bound,
+    solve_stages_status,
+)
 
-VPP_CHOICES = (1, 2, 3, 4, 6, 8)
-MAX_MICRO_BATCH = 16
+UNLIMITED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ class PlanRequest:
     top_k: int = 5
     solver: str = "cbc"
     time_limit_s: float = 10.0
-    refine: int = 6  # at most this many stage MILPs, taken in order of their lower bound
+    refine: int = UNLIMITED  # a cap on refining MILPs (mlm-whatif screening); by default only bounds prune
 
     @property
     def fully_pinned(self) -> bool:
@@ -83,65 +88,193 @@ class SearchResult:
 
 
 def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile) -> SearchResult:
-    """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible."""
+    """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible.
+
+    Two passes. Enumeration: every runnable (tp, pp, dp, zero, micro-batch, vpp, sp, recompute) is scored with
+    balanced stages, except what a monotonicity fact rules out: a (tp, pp, dp, zero) group whose least-memory
+    probe fits under no assignment (memory_may_fit), micro-batches above one at which a (vpp, sp) fits under no
+    assignment at any recompute level (memory grows with the micro-batch), and recompute levels above the first
+    that fits balanced (queued unevaluated: their lower bound is the same). Refinement, best first by
+    stage_lower_bound: each queued layout gets the stage MILP (uneven stages, per-stage recompute counts) until
+    the bound reaches the best step time found; no other cut is made, so a pin can only remove candidates."""
     start = time.perf_counter()
     validate_request(ir, request, cluster)
-    inputs = summarize(ir)
-    feasible: dict[Layout, Candidate] = {}
-    misses: list[Candidate] = []
-    evaluated = 0
-    solves = 0
+    s = _Search(summarize(ir), ir, request, gpu, cluster)
     for group in _groups(ir, request, cluster):
-        tp, pp, dp, zero = group
-        probe = _least_memory_layout(request, tp, pp, dp, zero, ir)
-        if probe is None:
-            continue
-        ev = evaluate(inputs, probe, gpu, cluster)
-        evaluated += 1
-        if not ev.fits and request.recompute is None:
-            ev = _second_probe(inputs, probe, ev, gpu, cluster)
-            evaluated += 1
-        if not ev.fits:
-            # balanced stages overflow; uneven ones (fewer blocks where the embedding / head sit) may not
-            uneven, tried = fit_uneven(inputs, probe, ev, gpu, cluster, request)
-            solves += tried
-            if uneven is None:
-                misses.append(Candidate(probe, ev))
-                continue
-            solves += _tight_group(inputs, ir, request, group, gpu, cluster, feasible)
-            continue
-        for layout_rc in _variants(ir, request, tp, pp, dp, zero):
-            for layout in layout_rc:  # recompute levels, cheapest first: keep the first that fits
-                ev = evaluate(inputs, layout, gpu, cluster)
-                evaluated += 1
-                if ev.fits:
-                    feasible[layout] = Candidate(layout, ev)
-                    break
-    if not feasible:
-        raise Infeasible(_no_fit_message(ir, request, gpu, cluster, misses))
-    ranked = sorted(feasible.values(), key=lambda c: c.evaluation.step_time_s)
-    # Branch and bound over the MILP: refine only candidates whose bound can still beat the best so far.
-    best_s = ranked[0].evaluation.step_time_s
-    improved: dict[int, Candidate] = {}
-    order = sorted(range(len(ranked)), key=lambda i: stage_lower_bound(ranked[i]))
-    for i in order:
-        if solves >= request.refine or stage_lower_bound(ranked[i]) >= best_s:
-            break  # bounds are sorted: no later candidate can win either
-        better, tried = refine_stages(inputs, ranked[i], gpu, cluster, request)
-        solves += tried
-        improved[i] = better
-        best_s = min(best_s, better.evaluation.step_time_s)
-    refined = [improved.get(i, cand) for i, cand in enumerate(ranked)]
-    ranked = _distinct(sorted(refined, key=lambda c: c.evaluation.step_time_s))
-    misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
+        s.enumerate_group(group)
+    s.refine()
+    if not s.feasible:
+        raise Infeasible(_no_fit_message(ir, request, gpu, cluster, s.misses) + s.unsolved_hint())
+    ranked = _distinct(sorted(s.feasible.values(), key=lambda c: c.evaluation.step_time_s))
+    s.misses.sort(key=lambda c: c.evaluation.peak_memory_bytes - c.evaluation.capacity_bytes)
     return SearchResult(
         best=ranked[0],
         ranked=ranked,
-        infeasible=misses[:3],
-        evaluated=evaluated,
+        infeasible=s.misses[:3],
+        evaluated=s.evaluated,
         seconds=time.perf_counter() - start,
-        milp_solves=solves,
+        milp_solves=s.solves,
+        notes=s.notes(),
     )
+
+
+@dataclass
+class _Search:
+    """The state of one search: feasible candidates, the refinement queue, counters and what to warn about."""
+
+    inputs: ModelCostInputs
+    ir: ModelIR
+    request: PlanRequest
+    gpu: GPUProfile
+    cluster: ClusterProfile
+    feasible: dict[Layout, Candidate] = field(default_factory=dict)
+    queue: list[tuple[float, int, Layout, Evaluation | None]] = field(default_factory=list)
+    misses: list[Candidate] = field(default_factory=list)
+    evaluated: int = 0
+    solves: int = 0
+    refined: int = 0
+    bounds: int = 0
+    capped: int = 0
+    limit_stops: list[tuple[Layout, str]] = field(default_factory=list)
+
+    def evaluate(self, layout: Layout) -> Evaluation:
+        self.evaluated += 1
+        return evaluate(self.inputs, layout, self.gpu, self.cluster)
+
+    def enumerate_group(self, group: tuple[int, int, int, int]) -> None:
+        tp, pp, dp, zero = group
+        probe = _least_memory_layout(self.request, tp, pp, dp, zero, self.ir)
+        if probe is None:
+            return
+        ev = self.evaluate(probe)
+        if not ev.fits and self.request.recompute is None:
+            ev = _second_probe(self.inputs, probe, ev, self.gpu, self.cluster)
+            self.evaluated += 1
+        if not ev.fits and not self._may_fit(probe, ev):
+            self.misses.append(Candidate(probe, ev))
+            return
+        dead: set[tuple[int, bool]] = set()
+        for key, levels in _variants(self.ir, self.request, tp, pp, dp, zero):
+            if key not in dead and not self._add_levels(levels):
+                dead.add(key)  # fits under no assignment at this micro-batch, so at none larger either
+
+    def _add_levels(self, levels: list[Layout]) -> bool:
+        """Score one (micro-batch, vpp, sp) at its recompute levels (cheapest first); False if none can fit."""
+        bound = None
+        fitted = False
+        for layout in levels:
+            if fitted:  # more recompute than a level that fits: same bound, evaluated only if it can win
+                self._push(bound, layout, None)
+                continue
+            ev = self.evaluate(layout)
+            bound = stage_lower_bound(Candidate(layout, ev))
+            if ev.fits:
+                fitted = True
+                self.feasible[layout] = Candidate(layout, ev)
+                if _refinable(layout):
+                    self._push(bound, layout, ev)
+            elif _refinable(layout) and self._may_fit(layout, ev):
+                self._push(bound, layout, ev)
+            else:
+                self.misses.append(Candidate(layout, ev))
+        return fitted or any(self._may_fit(layout, None) for layout in levels if _refinable(layout))
+
+    def _may_fit(self, layout: Layout, ev: Evaluation | None) -> bool:
+        """Whether some assignment of blocks to stages could fit (False is a proof that none does)."""
+        if ev is not None and ev.fits:
+            return True
+        if layout.pp == 1 and layout.recompute == "none":
+            return False  # nothing to place or recompute: balanced is the only assignment
+        return memory_may_fit(self._problem(layout))
+
+    def _problem(self, layout: Layout) -> StageProblem:
+        return _pinned_problem(self.inputs, layout, self.gpu, self.cluster, self.request)
+
+    def _push(self, bound: float | None, layout: Layout, ev: Evaluation | None) -> None:
+        assert bound is not None
+        self.queue.append((bound, len(self.queue), layout, ev))
+
+    def best_s(self) -> float:
+        return min((c.evaluation.step_time_s for c in self.feasible.values()), default=math.inf)
+
+    def refine(self) -> None:
+        """Stage MILPs in order of the lower bound, until no queued layout can beat the best found."""
+        best = self.best_s()
+        for bound, _, layout, ev in sorted(self.queue, key=lambda q: (q[0], q[1])):
+            if bound >= best:
+                break  # bounds are sorted: no later layout can win either
+            if ev is None:
+                ev = self.evaluate(layout)
+                if ev.fits:
+                    self.feasible.setdefault(layout, Candidate(layout, ev))
+                    best = min(best, ev.step_time_s)
+            if self.refined >= self.request.refine and (ev.fits or best < math.inf):
+                self.capped += 1  # a cap the caller asked for (screening); without one nothing is skipped
+                continue
+            if self._relaxed_bound(layout) >= best:
+                if not ev.fits:
+                    self.misses.append(Candidate(layout, ev))
+                continue  # no assignment the MILP can return beats the best: a valid cut
+            cand, status = self._solve(layout)
+            if ev.fits:
+                self.refined += 1
+            if cand is None:
+                if not ev.fits:
+                    self.misses.append(Candidate(layout, ev))
+                continue
+            known = self.feasible.get(layout)
+            if known is None or cand.evaluation.step_time_s < known.evaluation.step_time_s:
+                self.feasible[layout] = cand
+                best = min(best, cand.evaluation.step_time_s)
+
+    def _relaxed_bound(self, layout: Layout) -> float:
+        """The LP relaxation's bound on the step time of any assignment the stage MILP can return (dp and
+        optimizer time left out, ≥ 0)."""
+        self.bounds += 1
+        p2p = stage_coefficients(self.inputs, layout, self.gpu, self.cluster).p2p_time_s
+        problem = self._problem(layout)
+        return pipeline_lower_bound(
+            problem, layout.num_microbatches, p2p, self.request.solver, self.request.time_limit_s
+        )
+
+    def _solve(self, layout: Layout) -> tuple[Candidate | None, str]:
+        cand, status = solve_layout(self.inputs, layout, self.gpu, self.cluster, self.request, self._problem(layout))
+        if status != "infeasible" or cand is not None:
+            self.solves += 1
+        if status.startswith("time-limit"):
+            self.limit_stops.append((layout, status))
+        return cand, status
+
+    def notes(self) -> list[str]:
+        """One sentence per assumption or shortcut of this search (plan.json warnings)."""
+        out = []
+        limit = self.request.time_limit_s
+        for status, what in (
+            ("time-limit", "kept the best assignment found, which may not be optimal"),
+            ("time-limit-none", "found no assignment, so the layout was treated as not fitting"),
+        ):
+            hit = [lay for lay, st in self.limit_stops if st == status]
+            if hit:
+                more = f" and {len(hit) - 1} more" if len(hit) > 1 else ""
+                out.append(
+                    f"the stage MILP stopped at its {limit:g} s time limit on {hit[0].describe()}{more} and "
+                    f"{what}; raise --time-limit for a proved optimum"
+                )
+        if self.capped:
+            out.append(
+                f"stage MILP refinement was capped at {self.request.refine} solves: {self.capped} layouts whose "
+                f"lower bound could still beat the best kept balanced stages"
+            )
+        return out
+
+    def unsolved_hint(self) -> str:
+        n = sum(1 for _, st in self.limit_stops if st == "time-limit-none")
+        return f"; {n} stage MILPs stopped at the time limit without an answer: raise --time-limit" if n else ""
+
+
+def _refinable(layout: Layout) -> bool:
+    """Whether the stage MILP has anything to choose: where blocks go (pp > 1) or how many recompute."""
+    return layout.pp > 1 or layout.recompute != "none"
 
 
 def stage_lower_bound(cand: Candidate) -> float:
@@ -162,7 +295,7 @@ def refine_stages(
 ) -> tuple[Candidate, int]:
     """Re-place blocks (uneven) and choose per-stage recompute counts with the MILP; keep what is faster."""
     layout = cand.layout
-    if cand.assignment is not None or (layout.pp == 1 and layout.recompute == "none"):
+    if cand.assignment is not None or not _refinable(layout):
         return cand, 0  # already placed by the MILP, or nothing to place
     better = _solve(inputs, layout, gpu, cluster, request)
     if better is not None and better.evaluation.step_time_s < cand.evaluation.step_time_s:
@@ -179,33 +312,52 @@ def fit_uneven(
     request: PlanRequest,
 ) -> tuple[Candidate | None, int]:
     """`layout` with the stage MILP's assignment when balanced stages overflow but uneven ones fit, else None.
-    Skipped when no assignment can fit: the static bytes (weights, gradients, optimizer state) and the reserve
-    do not depend on where the blocks go, so if their total exceeds pp GPUs' memory nothing helps."""
-    if layout.pp == 1:
+    Skipped (0 solves) when memory_may_fit proves that no assignment fits."""
+    if not _refinable(layout):
         return None, 0
-    static = sum(m.static + m.reserve for m in balanced.rank_memory)
-    if static > layout.pp * balanced.capacity_bytes:
+    problem = _pinned_problem(inputs, layout, gpu, cluster, request)
+    if not memory_may_fit(problem):
         return None, 0
-    return _solve(inputs, layout, gpu, cluster, request), 1
+    return solve_layout(inputs, layout, gpu, cluster, request, problem)[0], 1
+
+
+def _pinned_problem(
+    inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
+) -> StageProblem:
+    problem = stage_problem(inputs, layout, gpu, cluster)
+    if request.recompute is not None and layout.recompute != "none":  # a pin holds: no block left out
+        problem = replace(problem, recompute_all=True)
+    return problem
 
 
 def _solve(
     inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest
 ) -> Candidate | None:
-    """The stage MILP's assignment for `layout`, scored by the cost model; None if it does not fit. A solution
-    that recomputes no block is reported as recompute "none" (the same time and memory, and what it really is)."""
-    problem = stage_problem(inputs, layout, gpu, cluster)
-    if request.recompute is not None and layout.recompute != "none":  # a pin holds: no block left out
-        problem = replace(problem, recompute_all=True)
-    solution = solve_stages(problem, request.solver, request.time_limit_s)
+    """The stage MILP's assignment for `layout`, scored by the cost model; None if it does not fit."""
+    problem = _pinned_problem(inputs, layout, gpu, cluster, request)
+    return solve_layout(inputs, layout, gpu, cluster, request, problem)[0]
+
+
+def solve_layout(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    request: PlanRequest,
+    problem: StageProblem,
+) -> tuple[Candidate | None, str]:
+    """The stage MILP's assignment for `layout` scored by the cost model (None if it does not fit) and the
+    solver's status (solve_stages_status). A solution that recomputes no block is reported as recompute "none"
+    (the same time and memory, and what it really is), unless recompute was pinned."""
+    solution, status = solve_stages_status(problem, request.solver, request.time_limit_s)
     if solution is None:
-        return None
+        return None, status
     recompute: tuple[int, ...] | None = solution.recompute_blocks
     if layout.recompute != "none" and not any(solution.recompute_blocks):
         layout, recompute = replace(layout, recompute="none"), None
     assignment = StageAssignment(blocks_per_stage=solution.blocks_per_stage, recompute_blocks=recompute)
     ev = evaluate(inputs, layout, gpu, cluster, assignment)
-    return Candidate(layout, ev, assignment) if ev.fits else None
+    return (Candidate(layout, ev, assignment) if ev.fits else None), status
 
 
 def _second_probe(
@@ -216,34 +368,6 @@ def _second_probe(
     Returns the selective probe's evaluation when it fits, else `ev`."""
     other = evaluate(inputs, replace(probe, recompute="selective"), gpu, cluster)
     return other if other.fits else ev
-
-
-def _tight_group(
-    inputs: ModelCostInputs,
-    ir: ModelIR,
-    request: PlanRequest,
-    group: tuple[int, int, int, int],
-    gpu: GPUProfile,
-    cluster: ClusterProfile,
-    feasible: dict[Layout, Candidate],
-) -> int:
-    """A group whose least-memory probe fits only with uneven stages: give each (vpp, sp) its most memory-saving
-    recompute level, placed by the MILP, for growing micro-batches until one does not fit (memory grows with the
-    micro-batch). The MILP still picks how many blocks per stage actually recompute. Returns the solves made."""
-    solves = 0
-    dead: set[tuple[int, bool]] = set()
-    for levels in _variants(ir, request, *group):
-        layout = levels[-1]
-        key = (layout.vpp, layout.sequence_parallel)
-        if key in dead:
-            continue
-        cand = _solve(inputs, layout, gpu, cluster, request)
-        solves += 1
-        if cand is None:
-            dead.add(key)
-        else:
-            feasible.setdefault(cand.layout, cand)
-    return solves
 
 
 def _distinct(ranked: list[Candidate]) -> list[Candidate]:
@@ -429,10 +553,11 @@ def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Itera
 
 
 def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
+    """Every micro-batch dividing the per-replica batch (the search stops growing it where memory runs out)."""
     per_replica = request.global_batch // dp
     if request.micro_batch:
         return [request.micro_batch] if per_replica % request.micro_batch == 0 else []
-    return [m for m in _divisors(per_replica) if m <= MAX_MICRO_BATCH]
+    return _divisors(per_replica)
 
 
 def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: int, ir: ModelIR) -> Layout | None:
@@ -457,18 +582,25 @@ def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: 
     return layout
 
 
-def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int) -> Iterator[list[Layout]]:
-    """For each (micro-batch, vpp, sp): the runnable layouts in increasing recompute order."""
+def _vpp_options(ir: ModelIR, request: PlanRequest, pp: int) -> list[int]:
+    """Megatron-LM's interleaved schedule needs the blocks to divide evenly into pp·vpp chunks: every such vpp."""
+    if request.vpp:
+        return [request.vpp]
+    if pp == 1:
+        return [1]
+    return [v for v in range(1, ir.num_layers // pp + 1) if v == 1 or ir.num_layers % (pp * v) == 0]
+
+
+def _variants(
+    ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int
+) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
+    """For each micro-batch (increasing), vpp and sp: the key (vpp, sp) and the runnable layouts in increasing
+    recompute order."""
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
     sps = (
         [request.sequence_parallel] if request.sequence_parallel is not None else ([False, True] if tp > 1 else [False])
     )
-    # Megatron-LM's interleaved schedule needs the blocks to divide evenly into pp·vpp chunks
-    vpps = (
-        [request.vpp]
-        if request.vpp
-        else ([1] if pp == 1 else [v for v in VPP_CHOICES if v == 1 or ir.num_layers % (pp * v) == 0])
-    )
+    vpps = _vpp_options(ir, request, pp)
     for mb in _micro_batches(request, dp):
         m = request.global_batch // (dp * mb)
         for vpp in vpps:
@@ -489,7 +621,7 @@ def _variants(ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero
                     if layout_problem(ir, layout, request.global_batch) is None:
                         levels.append(layout)
                 if levels:
-                    yield levels
+                    yield (vpp, bool(sp)), levels
 
 
 def _batch_message(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> str:

@@ -28,6 +28,8 @@ the resulting assignment.
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import pulp
@@ -64,14 +66,87 @@ class StageSolution:
     blocks_per_stage: tuple[int, ...]
     recompute_blocks: tuple[int, ...]
     bottleneck_s: float
-    status: str
+    status: str  # "optimal", or "time-limit" (the best assignment found when the solver was stopped)
 
 
 def solve_stages(problem: StageProblem, solver: str = "cbc", time_limit_s: float = 10.0) -> StageSolution | None:
-    """Solve the MILP; None when no assignment fits in memory."""
+    """Solve the MILP; None when no assignment fits in memory (or none was found within the time limit)."""
+    return solve_stages_status(problem, solver, time_limit_s)[0]
+
+
+def memory_may_fit(p: StageProblem) -> bool:
+    """A necessary condition for the MILP to be feasible, without a solver: each rank holds at least one block per
+    virtual stage, and at most as many more as its remaining capacity allows at the cheapest per-block bytes among
+    its stages (every block recomputed when recompute is allowed); together the ranks must hold every block.
+    False proves that no assignment fits (a relaxation of _rank_memory's constraints); True proves nothing."""
+    S = p.pp * p.vpp
+    if p.num_blocks < S:
+        return False
+    last = S - 1
+    act = p.block_act_bytes
+    if p.recompute_all:
+        act = p.block_act_recompute_bytes
+    elif p.allow_recompute:
+        act = min(act, p.block_act_recompute_bytes)
+    room = 0
+    for stages in _ranks(p):
+        fixed = 0.0
+        for i in stages:
+            fixed += p.block_static_bytes + p.inflight[i] * act
+            if i == 0:
+                fixed += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
+            if i == last:
+                fixed += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
+        spare = p.capacity_bytes - fixed
+        if spare < 0:
+            return False
+        per_block = p.block_static_bytes + min(p.inflight[i] for i in stages) * act
+        room += len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks)
+        if room >= p.num_blocks:
+            return True
+    return room >= p.num_blocks
+
+
+def pipeline_lower_bound(
+    p: StageProblem, num_microbatches: int, p2p_time_s: float, solver: str = "cbc", time_limit_s: float = 10.0
+) -> float:
+    """A pipeline time (the cost model's m·t_max + (Σ_r t_r − t_max)/vpp) that no assignment fitting in memory
+    can beat: the LP relaxation of the MILP's placement and memory constraints with that time as objective
+    (linear: (m − 1/vpp)·T + Σ_i τ_i / vpp, T ≥ every rank's time). It leaves out the chunk constraints, which
+    the cost model does not impose. math.inf when even the relaxation does not fit; 0.0 when the LP is not
+    solved (no bound)."""
+    S = p.pp * p.vpp
+    if p.num_blocks < S or not memory_may_fit(p):
+        return math.inf
+    m = num_microbatches
+    prob = pulp.LpProblem("stage_bound", pulp.LpMinimize)
+    n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=p.num_blocks) for i in range(S)]
+    r = [pulp.LpVariable(f"r{i}", lowBound=0, upBound=p.num_blocks if p.allow_recompute else 0) for i in range(S)]
+    T = pulp.LpVariable("T", lowBound=0)
+    total = pulp.lpSum(_stage_time(p, n, r, i) for i in range(S))
+    prob += (m - 1.0 / p.vpp) * T + total / p.vpp
+    for stages in _ranks(p):
+        prob += pulp.lpSum(_stage_time(p, n, r, i) for i in stages) <= T
+    _placement(prob, p, n, r)
+    _rank_memory(prob, p, n, r)
+    status = pulp.LpStatus[prob.solve(_solver(solver, time_limit_s))]
+    if status == "Infeasible":
+        return math.inf
+    if status != "Optimal" or pulp.value(prob.objective) is None:
+        return 0.0
+    # every rank also sends and receives once per chunk and micro-batch: vpp·p2p per rank, S·p2p in all
+    return float(pulp.value(prob.objective)) + (m - 1.0 / p.vpp) * p.vpp * p2p_time_s + S * p2p_time_s / p.vpp
+
+
+def solve_stages_status(
+    problem: StageProblem, solver: str = "cbc", time_limit_s: float = 10.0, screen: bool = True
+) -> tuple[StageSolution | None, str]:
+    """The MILP's solution and how the solver ended: "optimal", "infeasible" (proved, or by memory_may_fit),
+    "time-limit" (stopped with an assignment that may not be optimal) or "time-limit-none" (stopped before it
+    found any assignment: whether one fits is unknown). screen=False skips the memory_may_fit shortcut."""
     S = problem.pp * problem.vpp
-    if problem.num_blocks < S:
-        return None
+    if problem.num_blocks < S or (screen and not memory_may_fit(problem)):
+        return None, "infeasible"
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=problem.num_blocks, cat="Integer") for i in range(S)]
     r = [
@@ -92,12 +167,18 @@ def solve_stages(problem: StageProblem, solver: str = "cbc", time_limit_s: float
     _placement(prob, problem, n, r)
     _rank_time(prob, problem, n, r, T)
     _rank_memory(prob, problem, n, r)
+    start = time.perf_counter()
     status = prob.solve(_solver(solver, time_limit_s))
-    if pulp.LpStatus[status] != "Optimal":
-        return None
+    stopped = time.perf_counter() - start >= 0.95 * time_limit_s
+    # CBC stopped at its limit reports "Not Solved" without an assignment, and an integer-feasible one as optimal
+    found = pulp.LpStatus[status] == "Optimal" and getattr(prob, "sol_status", 1) in (1, 2)
+    if not found:
+        return None, ("time-limit-none" if stopped or pulp.LpStatus[status] == "Not Solved" else "infeasible")
+    proved = getattr(prob, "sol_status", 1) == 1 and not stopped
     blocks = tuple(int(round(v.value())) for v in n)
     recompute = tuple(int(round(v.value())) for v in r)
-    return StageSolution(blocks, recompute, float(T.value()), pulp.LpStatus[status])
+    how = "optimal" if proved else "time-limit"
+    return StageSolution(blocks, recompute, float(T.value()), how), how
 
 
 def _placement(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:

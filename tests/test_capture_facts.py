@@ -103,6 +103,7 @@ def test_full_size_presets_match_their_published_shapes(name: str) -> None:
 def test_attention_kind_is_read_from_the_mask(model: str, entry: str, args: dict, seq: int, kind: str) -> None:
     ir = capture(load_model_spec(model, entry, args), seq_len=seq)
     assert ir.attention_kinds == (kind,)
+    assert ir.blocks and all(block.attention == (kind,) for block in ir.blocks)
 
 
 def test_encoder_decoder_cross_attention_is_found_and_the_facts_come_from_self_attention() -> None:

@@ -64,6 +64,7 @@ class LayerIR:
     output_bytes: float  # bytes of the layer's output per sample (what a pipeline stage boundary sends)
     linears: tuple[LinearOp, ...] = ()
     block_group: str | None = None  # FQN of the repeated container (e.g. "transformer.h") for blocks
+    attention: tuple[str, ...] = ()  # kind of each attention op in the layer, in order ("causal", "cross", ...)
     ops: nx.DiGraph | None = field(default=None, compare=False, repr=False, hash=False)
 
     @property

@@ -393,6 +393,10 @@ def build_layers(
         )
     first_block = f"{group.fqn}.{group.children[0]}" if group is not None else None
     found = graph_facts(calls, owner, costs, dependent, is_param, first_block)
+    kinds: dict[str, list[str]] = {}
+    for site in found.attention:
+        kinds.setdefault(site.layer, []).append(site.kind)
+    layers = [replace(layer, attention=tuple(kinds.get(layer.name, ()))) for layer in layers]
     read = {_strip_root(name) for node, name in params.items() if any(u in costs for u in node.users)}
     return layers, replace(found, unused_params=unused_parameters(model, read))
 

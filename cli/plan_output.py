@@ -38,13 +38,24 @@ def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) 
     )
 
 
+def assumed_defaults(args: argparse.Namespace, spec: ModelSpec, request: PlanRequest) -> list[str]:
+    """The defaults this command filled in, one sentence each (they become plan.json warnings)."""
+    out = []
+    if not args.global_batch:
+        where = "the preset's" if spec.preset else "the default"
+        out.append(f"--global-batch not given: planned {where} {request.global_batch} sequences per step")
+    if args.gpu is None and args.cluster is None:
+        out.append("--gpu not given: planned for the default GPU profile (pass --gpu NAME)")
+    return out
+
+
 def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
     if args.gpus is None:
         raise PlanError("--gpus N is required to plan (or use --inspect to only show the captured layers)")
     request = request_from_args(args, spec, args.gpus)
     console = stderr_console()
     with console.status(f"searching layouts for {args.gpus} GPUs…"):
-        outcome = make_plan(spec, ir, request, args.gpu, args.cluster)
+        outcome = make_plan(spec, ir, request, args.gpu, args.cluster, assumed_defaults(args, spec, request))
     plan = outcome.plan
     if args.out:
         save_plan(plan, args.out)
@@ -128,6 +139,10 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
             )
             alt.add_row(desc, seconds(row["step_time_s"]) if row["step_time_s"] else "—", str(row["why"]))
         console.print(alt)
+    if plan.pinned:
+        console.print(f"[dim]pinned: {', '.join(plan.pinned)}; everything else searched[/]")
+    for line in plan.warnings:
+        console.print(f"[yellow]warning[/] {line}")
     console.print(f"[dim]{summary['search']}[/]")
 
 

@@ -77,6 +77,8 @@ class Plan:
     tensor_parallel: dict[str, str]
     predicted: Predicted | None = None
     alternatives: list[dict[str, Any]] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)  # layout field names the user pinned (each holds in layout)
+    warnings: list[str] = field(default_factory=list)  # every assumption of capture and search, one sentence each
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +141,11 @@ def plan_from_dict(data: Any) -> Plan:
     predicted = None if pred_raw is None else _build(Predicted, pred_raw, "predicted")
     alternatives = data.get("alternatives", [])
     _expect(isinstance(alternatives, list), "alternatives", "must be a list")
+    pinned = _strings(data, "pinned")  # absent in plans written before these fields: nothing pinned, no warnings
+    layout_fields = {f.name for f in dataclasses.fields(Layout)}
+    for name in pinned:
+        _expect(name in layout_fields, "pinned", f"names {name!r}, which is not a layout field")
+    warnings = _strings(data, "warnings")
     _expect(
         training.global_batch == layout.global_batch,
         "training.global_batch",
@@ -158,8 +165,17 @@ def plan_from_dict(data: Any) -> Plan:
         tensor_parallel=dict(tp),
         predicted=predicted,
         alternatives=alternatives,
+        pinned=pinned,
+        warnings=warnings,
         schema_version=version,
     )
+
+
+def _strings(data: dict, key: str) -> list[str]:
+    """An optional list of strings (empty when absent)."""
+    value = data.get(key, [])
+    _expect(isinstance(value, list) and all(isinstance(x, str) for x in value), key, "must be a list of strings")
+    return list(value)
 
 
 def _check_layout(layout: Layout) -> None:

@@ -1,6 +1,9 @@
-"""Pinned layout fields hold in the search's result, including through the stage MILP (issue 13, item 3)."""
+"""Pinned layout fields hold in the search's result and in plan.json, including through the stage MILP, and the
+plan lists them in `pinned` (issue 13, item 3)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from conftest import megatron_rows
@@ -8,7 +11,9 @@ from conftest import megatron_rows
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.cost.hardware import resolve
+from mlm.planner.errors import PlanError
 from mlm.planner.search.layouts import PlanRequest, search
+from mlm.planner.search.make_plan import make_plan
 
 
 @pytest.mark.parametrize("row", megatron_rows()[3:6], ids=lambda r: r["params_b"])
@@ -32,3 +37,50 @@ def test_pinned_recompute_holds_with_micro_batch_free(row: dict[str, str], recom
         assert (cand.layout.tp, cand.layout.pp) == (request.tp, request.pp)
         if cand.assignment is not None and cand.assignment.recompute_blocks is not None:
             assert cand.assignment.recompute_blocks == cand.assignment.blocks_per_stage
+
+
+PIN_VALUES = {
+    "tp": [1, 2, 4],
+    "pp": [1, 2, 4],
+    "micro_batch": [1, 2, 4],
+    "vpp": [1, 2],
+    "recompute": ["none", "selective", "full"],
+    "sequence_parallel": [False, True],
+    "zero": [0, 1, 3],
+}
+
+
+def _pin_combinations(seed: int, count: int) -> list[dict[str, object]]:
+    """Random subsets of the layout fields with random values (fixed seed: the same combinations every run)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        fields = rng.sample(sorted(PIN_VALUES), rng.randint(1, 4))
+        out.append({f: rng.choice(PIN_VALUES[f]) for f in fields})
+    return out
+
+
+@pytest.mark.parametrize(
+    "preset, gpus, batch, gpu",
+    [("gpt2", 8, 64, "a100-80gb"), ("llama3-8b", 16, 64, "a100-40gb"), ("megatron-1.7b", 32, 512, "a100-80gb")],
+)
+def test_every_pinned_field_holds_in_the_plan(preset: str, gpus: int, batch: int, gpu: str) -> None:
+    """Many pin combinations: each field pinned is what the plan's layout carries and is listed in plan.pinned;
+    a combination that cannot hold fails with PlanError (exit 2), never with another layout."""
+    spec = load_model_spec(preset)
+    ir = capture(spec)
+    planned = 0
+    for pins in _pin_combinations(len(preset), 12):
+        request = PlanRequest(num_gpus=gpus, global_batch=batch, **pins)  # type: ignore[arg-type]
+        try:
+            outcome = make_plan(spec, ir, request, gpu, None)
+        except PlanError:
+            continue
+        planned += 1
+        layout = outcome.plan.layout
+        for name, value in pins.items():
+            assert getattr(layout, name) == value, (pins, layout.describe())
+        assert set(outcome.plan.pinned) == set(pins)
+        for cand in outcome.result.ranked if outcome.result else []:
+            assert all(getattr(cand.layout, k) == v for k, v in pins.items()), (pins, cand.layout.describe())
+    assert planned >= 4

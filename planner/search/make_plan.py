@@ -1,21 +1,28 @@
-"""One entry point from (model, request, profiles) to a Plan: search or pinned evaluation, TP map, plan.json."""
+"""One entry point from (model, request, profiles) to a Plan: search or pinned evaluation, TP map, plan.json.
+
+The layout search ranks candidates by the cost model; the tensor-parallel sharding ILP then shards the best one.
+A candidate the ILP cannot shard (e.g. per-head q/k norms under sequence parallelism) is skipped with its reason,
+and the next one is tried; only when none is left does planning fail, naming the reasons grouped.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.cost.collectives import group_link
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, resolve
 from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, summarize
+from mlm.planner.errors import Infeasible
 from mlm.planner.layout import Layout
 from mlm.planner.plan import Plan
-from mlm.planner.search.explain import alternatives, explain_dimensions
+from mlm.planner.search.explain import DIMENSIONS, alternatives, explain_dimensions
 from mlm.planner.search.layouts import Candidate, PlanRequest, SearchResult, evaluate_pinned, layout_problem, search
 from mlm.planner.search.plan_document import build_plan
-from mlm.planner.search.tp_sharding import plan_tensor_parallel
+from mlm.planner.search.tp_sharding import TPCost, TPSharding, plan_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -27,17 +34,29 @@ class PlanOutcome:
 
 
 def make_plan(
-    spec: ModelSpec, ir: ModelIR, request: PlanRequest, gpu_name: str | None = None, cluster_name: str | None = None
+    spec: ModelSpec,
+    ir: ModelIR,
+    request: PlanRequest,
+    gpu_name: str | None = None,
+    cluster_name: str | None = None,
+    assumptions: Sequence[str] = (),
 ) -> PlanOutcome:
+    """`assumptions`: the caller's own defaults (one sentence each), listed first among the plan's warnings."""
     gpu, cluster = resolve(gpu_name, cluster_name)
     result: SearchResult | None = None
+    shard = _Sharder(ir, gpu, cluster, request)
     if request.fully_pinned:
         best: Candidate = evaluate_pinned(ir, request, gpu, cluster)
+        sharding = shard(best.layout)
+        if isinstance(sharding, str):
+            raise Infeasible(f"layout {best.layout.describe()} cannot be sharded: {sharding}")
         alts: list[dict[str, object]] = []
         how = "evaluated the pinned layout"
         explanations = {"layout": "every dimension was pinned on the command line"}
+        notes: list[str] = []
     else:
         result = search(ir, request, gpu, cluster)
+        result, sharding = _first_shardable(result, shard, request.top_k)
         best = result.best
         alts = alternatives(result, request.top_k)
         how = (
@@ -45,8 +64,14 @@ def make_plan(
             f"{result.seconds:.2f} s; captured with {ir.capture_method} in {ir.capture_seconds:.2f} s"
         )
         explanations = explain_dimensions(result, _what_if(ir, request, gpu, cluster), _pinned(request))
-    sharding = plan_tensor_parallel(ir, best.layout.tp, best.layout.sequence_parallel)
+        notes = list(result.notes)
+        if shard.skipped:
+            explanations["skipped"] = skipped_summary(shard.skipped)
+            notes.append(explanations["skipped"])
     plan = build_plan(spec, ir, best.layout, best.evaluation, best.assignment, gpu, cluster, sharding.styles, alts)
+    warnings = [*assumptions, *getattr(ir, "warnings", ()), *notes]
+    pinned = [d for d in DIMENSIONS if d in _pinned(request)]
+    plan = replace(plan, pinned=pinned, warnings=list(dict.fromkeys(warnings)))
     summary = {
         "model": spec.display_name,
         "cluster": cluster.name,
@@ -57,9 +82,84 @@ def make_plan(
     return PlanOutcome(plan=plan, result=result, summary=summary, explanations=explanations)
 
 
+def tp_cost(gpu: GPUProfile, cluster: ClusterProfile, tp: int) -> TPCost:
+    """The sharding ILP's prices on the target hardware: the GPU profile's peak and HBM bandwidth, and the bus
+    bandwidth of a tp group as the cost model's collectives see it (planner/cost/collectives.py group_link)."""
+    link = group_link(cluster, max(tp, 1), 1)
+    return TPCost.from_profiles(gpu, link_gbps=link.bus_bytes_per_s / 1e9)
+
+
+class _Sharder:
+    """The sharding ILP per (tp, sequence parallelism), cached; a failure is kept as its reason."""
+
+    def __init__(self, ir: ModelIR, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest) -> None:
+        self.ir, self.gpu, self.cluster, self.request = ir, gpu, cluster, request
+        self.done: dict[tuple[int, bool], TPSharding | str] = {}
+        self.skipped: list[tuple[Candidate, str]] = []
+
+    def __call__(self, layout: Layout) -> TPSharding | str:
+        key = (layout.tp, layout.sequence_parallel)
+        if key not in self.done:
+            try:
+                self.done[key] = plan_tensor_parallel(
+                    self.ir,
+                    layout.tp,
+                    layout.sequence_parallel,
+                    solver=self.request.solver,
+                    time_limit_s=self.request.time_limit_s,
+                    cost=tp_cost(self.gpu, self.cluster, layout.tp),
+                )
+            except Infeasible as e:
+                self.done[key] = str(e)
+        return self.done[key]
+
+    def known_bad(self, layout: Layout) -> bool:
+        return isinstance(self.done.get((layout.tp, layout.sequence_parallel)), str)
+
+
+def _first_shardable(result: SearchResult, shard: _Sharder, top_k: int) -> tuple[SearchResult, TPSharding]:
+    """The fastest ranked candidate the sharding ILP can shard, and the result without the unshardable ones (the
+    top_k alternatives after it are checked too). Candidates faster than the chosen one that were skipped go to
+    shard.skipped. Raises Infeasible naming the grouped reasons when no candidate is left."""
+    chosen: tuple[Candidate, TPSharding] | None = None
+    kept: list[Candidate] = []
+    failed: list[tuple[Candidate, str]] = []
+    for i, cand in enumerate(result.ranked):
+        if chosen is not None and len(kept) > top_k:
+            kept.extend(c for c in result.ranked[i:] if not shard.known_bad(c.layout))
+            break
+        got = shard(cand.layout)
+        if isinstance(got, str):
+            failed.append((cand, got))
+            if chosen is None:
+                shard.skipped.append((cand, got))
+            continue
+        kept.append(cand)
+        if chosen is None:
+            chosen = (cand, got)
+    if chosen is None:
+        raise Infeasible("no candidate layout can be sharded: " + _grouped(failed))
+    return replace(result, best=chosen[0], ranked=kept), chosen[1]
+
+
+def _grouped(skipped: list[tuple[Candidate, str]]) -> str:
+    by_reason: dict[str, list[Candidate]] = {}
+    for cand, why in skipped:
+        by_reason.setdefault(why, []).append(cand)
+    return "; ".join(
+        f"{why} ({len(cands)} layout{'s' if len(cands) > 1 else ''}, e.g. {cands[0].layout.describe()})"
+        for why, cands in by_reason.items()
+    )
+
+
+def skipped_summary(skipped: list[tuple[Candidate, str]]) -> str:
+    """One sentence: how many faster layouts were skipped, and why (grouped by reason)."""
+    n = len(skipped)
+    return f"{n} faster candidate layout{'s were' if n > 1 else ' was'} skipped: " + _grouped(skipped)
+
+
 def _pinned(request: PlanRequest) -> frozenset[str]:
-    dims = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel", "recompute", "zero")
-    return frozenset(d for d in dims if getattr(request, d) is not None)
+    return frozenset(d for d in DIMENSIONS if getattr(request, d) is not None)
 
 
 def _what_if(

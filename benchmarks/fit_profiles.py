@@ -1,6 +1,6 @@
 """Fit each GPU profile's compute factor on the train rows of the published measurements, report every row.
 
-python benchmarks/fit_profiles.py [--gpu NAME ...] [--write]
+python benchmarks/fit_profiles.py [--gpu NAME ...] [--write] [--markdown] [--leave-source-out]
 
 For each GPU profile with rows in profiles/calibration/*.csv (mlm.planner.cost.calibration.read_measurements):
 the factor f on the profile's prior GEMM and attention curves ([calibration] table) that minimises the mean over
@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mlm.planner.cost.calibration import FitResult, fit_gpu
+from mlm.planner.cost.calibration import FitResult, fit_gpu, leave_source_out
 from mlm.planner.cost.hardware import list_gpus, load_gpu
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
@@ -124,6 +124,11 @@ def main() -> None:
     ap.add_argument("--gpu", action="append", help="only these GPU profiles (default: all with data)")
     ap.add_argument("--write", action="store_true", help="write the fitted factor and errors into the TOMLs")
     ap.add_argument("--markdown", action="store_true", help="print the per-source tables as Markdown instead")
+    ap.add_argument(
+        "--leave-source-out",
+        action="store_true",
+        help="also fit without each source in turn and report that whole source at the factor the others give",
+    )
     args = ap.parse_args()
     names = args.gpu or list_gpus()
     fits: dict[str, FitResult] = {}
@@ -141,6 +146,11 @@ def main() -> None:
             print(f"\n### {name}: compute factor {res.factor:g}\n" + markdown(res))
             continue
         print_fit(res)
+        if args.leave_source_out:
+            for src, (f, mean, worst) in leave_source_out(load_gpu(name)).items():
+                print(
+                    f"  leave {src} out: factor {f:g} from the others; all its rows mean {mean:.1f}% worst {worst:.1f}%"
+                )
         print(f"  ({time.perf_counter() - start:.1f} s)")
         if args.write:
             print(f"  wrote {write_profile(res, _sources(res))}")

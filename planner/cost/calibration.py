@@ -469,3 +469,20 @@ def fit_gpu(gpu: GPUProfile, files: list[Path] | None = None) -> FitResult | Non
     else:
         factor = gpu.calibration.compute_factor if gpu.calibration else 1.0
     return FitResult(gpu.name, factor, everything.predict(scaled_profile(gpu, factor)))
+
+
+def leave_source_out(gpu: GPUProfile, files: list[Path] | None = None) -> dict[str, tuple[float, float, float]]:
+    """For each source with train rows: the factor fitted on the other sources' train rows alone, and the mean and
+    worst |error| (percent) over all of the left-out source's rows at that factor (a cross-source check)."""
+    rows = [m for f in files or measurement_files() for m in read_measurements(f) if m.gpu == gpu.name]
+    everything = RowEvaluator(rows, gpu)
+    out: dict[str, tuple[float, float, float]] = {}
+    for src in dict.fromkeys(m.file for m in rows):
+        train = [i for i, m in enumerate(rows) if m.split == "train" and m.file != src]
+        if not train or not any(m.file == src and m.split == "train" for m in rows):
+            continue
+        factor = fit_factor(everything.subset(train), gpu)
+        held = everything.subset([i for i, m in enumerate(rows) if m.file == src])
+        errs = [100 * abs(p.error) for p in held.predict(scaled_profile(gpu, factor))]
+        out[src] = (factor, sum(errs) / len(errs), max(errs))
+    return out

@@ -62,7 +62,8 @@ def test_refit_reproduces_the_profile(fits, name):
     assert tuple(held) == cal.test_sources
     for src, n, mean, worst in zip(cal.test_sources, cal.test_rows, cal.test_mean_error_pct, cal.test_worst_error_pct):
         got_n, got_mean, got_worst = held[src]
-        assert (got_n, round(got_mean, 1), round(got_worst, 1)) == (n, mean, worst), src
+        # the file holds one decimal; 0.051 leaves room for float noise at a rounding boundary, not for a change
+        assert got_n == n and abs(got_mean - mean) <= 0.051 and abs(got_worst - worst) <= 0.051, (src, held[src])
 
 
 @pytest.mark.parametrize("name", FITTED)

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from mlm.planner.cost.calibration import FitResult, fit_gpu, leave_source_out
+from mlm.planner.cost.calibration import FitResult, fit_gpu, leave_source_out, sources_sha256
 from mlm.planner.cost.hardware import list_gpus, load_gpu
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
@@ -100,6 +100,7 @@ def write_profile(res: FitResult, sources: list[str], name: str | None = None) -
         "test_rows": "[" + ", ".join(str(n) for n, _, _ in held.values()) + "]",
         "test_mean_error_pct": "[" + ", ".join(f"{m:.1f}" for _, m, _ in held.values()) + "]",
         "test_worst_error_pct": "[" + ", ".join(f"{w:.1f}" for _, _, w in held.values()) + "]",
+        "data_sha256": f'"{sources_sha256(sources)}"',
     }
     for key, v in values.items():
         text = _set_in_table(text, "calibration", key, v)

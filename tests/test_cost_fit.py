@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlm.planner.cost.calibration import FACTOR_STEP, fit_gpu, measurement_files, read_measurements
+from mlm.planner.cost.calibration import FACTOR_STEP, fit_gpu, measurement_files, read_measurements, sources_sha256
 from mlm.planner.cost.hardware import list_gpus, load_gpu
 
 FITTED = [g for g in list_gpus() if (c := load_gpu(g).calibration) is not None and c.status == "fitted"]
@@ -58,6 +58,9 @@ def test_refit_reproduces_the_profile(fits, name):
     assert res is not None and cal is not None
     assert abs(res.factor - cal.compute_factor) <= FACTOR_STEP / 2, f"{name}: refit gives {res.factor}"
     assert cal.train_rows == sum(1 for p in res.predictions if p.measurement.split == "train")
+    files = sorted(dict.fromkeys(p.measurement.file for p in res.predictions))
+    assert cal.sources == tuple(f"profiles/calibration/{f}" for f in files)
+    assert cal.data_sha256 == sources_sha256(files), f"{name}: data changed since the fit; run fit_profiles --write"
     held = res.held_out()
     assert tuple(held) == cal.test_sources
     for src, n, mean, worst in zip(cal.test_sources, cal.test_rows, cal.test_mean_error_pct, cal.test_worst_error_pct):

@@ -451,6 +451,17 @@ class FitResult:
         return out
 
 
+def sources_sha256(names: list[str]) -> str:
+    """SHA-256 over the named measurement files in profiles/calibration/ (sorted by name), to tell a profile fitted
+    on other data from one fitted on these."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in sorted(names):
+        h.update(name.encode() + b"\0" + table_path(name).read_bytes())
+    return h.hexdigest()
+
+
 def measurement_files() -> list[Path]:
     """Every measurement CSV shipped in profiles/calibration/."""
     root = table_path("")

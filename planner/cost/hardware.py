@@ -86,6 +86,7 @@ class Calibration:
     prior_attention_fractions: tuple[float, ...]
     sources: tuple[str, ...] = ()
     transferred_from: str = ""  # status "transferred": the profile whose factor (and held-out errors) this copies
+    data_sha256: str = ""  # of the source files the fit read (calibration.sources_sha256): stale when they change
     train_rows: int = 0
     test_sources: tuple[str, ...] = ()
     test_rows: tuple[int, ...] = ()

@@ -20,7 +20,15 @@ from mlm.planner.cost.hardware import resolve
 from mlm.planner.cost.step_time import StageAssignment, evaluate, stage_coefficients, summarize
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
-from mlm.planner.search.layouts import PlanRequest, _tp_options, search, stage_problem
+from mlm.planner.search.layouts import (
+    PlanRequest,
+    _balanced_is_shortest,
+    _integer_bound,
+    _shortest_rank,
+    _tp_options,
+    search,
+    stage_problem,
+)
 from mlm.planner.search.stage_milp import memory_may_fit, pipeline_lower_bound, solve_stages_status
 
 CASES = [
@@ -104,8 +112,9 @@ def test_memory_check_never_rejects_a_feasible_milp() -> None:
 
 
 def test_pipeline_bound_is_below_every_milp_answer() -> None:
-    """The LP bound the search prunes with never exceeds the cost model's time of the MILP's assignment."""
-    checked = 0
+    """The bounds the search prunes with (LP relaxation, integer blocks without memory) never exceed the cost
+    model's pipeline time of the MILP's assignment."""
+    checked = settled = 0
     for inputs, layout, gpu, cluster, problem in _problems():
         sol, _ = solve_stages_status(problem, "cbc", 20.0)
         if sol is None:
@@ -116,6 +125,40 @@ def test_pipeline_bound_is_below_every_milp_answer() -> None:
         ev = evaluate(inputs, layout, gpu, cluster, StageAssignment(sol.blocks_per_stage, rc))
         pipe = ev.step_time_s - ev.breakdown["dp_comm_s"] - ev.breakdown["optimizer_s"]
         assert bound <= pipe * (1 + 1e-6) + 1e-9
+        assert _integer_bound(inputs, layout, gpu, cluster) <= pipe * (1 + 1e-6) + 1e-9
+        if layout.recompute == "none":  # balanced settled as shortest: the MILP finds no shorter busiest rank
+            balanced = evaluate(inputs, layout, gpu, cluster)
+            if _balanced_is_shortest(inputs, layout, balanced, gpu, cluster):
+                settled += 1
+                rank = max(sum(st.time_s for st in ev.stages[r :: layout.pp]) for r in range(layout.pp))
+                best = max(sum(st.time_s for st in balanced.stages[r :: layout.pp]) for r in range(layout.pp))
+                assert rank >= best * (1 - 1e-9)
         assert not math.isinf(bound)
         checked += 1
     assert checked >= 5
+
+
+@pytest.mark.parametrize("preset, tp", [("gpt2", 1), ("megatron-18.4b", 8)])
+def test_settled_balanced_stages_match_the_milp(preset: str, tp: int) -> None:
+    """Where the search skips the MILP because balanced stages already give the shortest busiest rank, the MILP
+    (run here anyway) finds no assignment with a shorter one; and no assignment beats the integer bound. gpt2's
+    heavy head makes uneven stages pay (not settled); megatron-18.4b's blocks dominate (settled)."""
+    ir = capture(load_model_spec(preset))
+    inputs = summarize(ir)
+    gpu, cluster = resolve("a100-80gb", None)
+    settled = 0
+    for pp, vpp in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        layout = Layout(tp=tp, pp=pp, dp=1, micro_batch=1, num_microbatches=4 * pp, vpp=vpp)
+        balanced = evaluate(inputs, layout, gpu, cluster)
+        sol, _ = solve_stages_status(stage_problem(inputs, layout, gpu, cluster), "cbc", 20.0)
+        assert sol is not None
+        milp = evaluate(inputs, layout, gpu, cluster, StageAssignment(sol.blocks_per_stage))
+        if _balanced_is_shortest(inputs, layout, balanced, gpu, cluster):
+            settled += 1
+            assert _busiest(milp, pp) >= _busiest(balanced, pp) * (1 - 1e-9)
+        assert _busiest(milp, pp) >= _shortest_rank(inputs, layout, gpu, cluster)[0] * (1 - 1e-9)
+    assert settled == (4 if preset == "megatron-18.4b" else 0)
+
+
+def _busiest(ev, pp: int) -> float:
+    return max(sum(st.time_s for st in ev.stages[r::pp]) for r in range(pp))

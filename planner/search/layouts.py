@@ -1,21 +1,24 @@
-"""Search for the fastest layout that fits: enumeration of the outer choices, then the stage MILP, pruned only
-by valid bounds, so that pinning a field can never find a faster layout than leaving it free.
+"""Search for the fastest layout that fits, pruned only by valid bounds, so that pinning a field can never
+find a faster layout than leaving it free.
 
 Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are enumerated once
 divisibility rules are applied: every micro-batch dividing the per-replica batch, every vpp that splits the
-blocks evenly. Each is scored by the cost model with balanced stages (pure arithmetic). Cut without losing an
-optimum: a (tp, pp, dp, zero) group whose least memory-hungry variant (micro-batch 1, vpp 1, sequence
-parallelism, full or selective recompute) fits under no assignment of blocks to stages (stage_milp.memory_may_fit);
-micro-batches above one at which a (vpp, sp) fits under no assignment (memory grows with the micro-batch);
-recompute levels above the first that fits balanced are queued unevaluated (their bound is the same). Then
-every queued layout, in order of stage_lower_bound, gets the LP bound of stage_milp.pipeline_lower_bound and,
-where that can still beat the best found, the stage MILP (planner/search/stage_milp.py): uneven blocks per stage
-and per-stage recompute counts, re-scored by the same cost model. A MILP stopped at its time limit is reported in
+blocks evenly. A (tp, pp, dp, zero) group is dropped only when its least memory-hungry variant (micro-batch 1,
+vpp 1, sequence parallelism, full or selective recompute) fits under no assignment of blocks to stages
+(stage_milp.memory_may_fit). Every other variant is queued with a lower bound on its step time (the pipeline
+time with the blocks' work spread evenly, no recompute; dp and optimizer time ≥ 0) and processed best first:
+evaluated with balanced stages, then given the stage MILP (planner/search/stage_milp.py: uneven blocks per stage,
+per-stage recompute counts) unless a bound shows the MILP cannot beat the best found: integer blocks without
+memory (_integer_bound), the LP relaxation (stage_milp.pipeline_lower_bound), or balanced stages that already
+give a recompute-free layout the shortest busiest rank possible (then recompute only adds time). Processing stops
+when the next bound reaches the best step time. Afterwards enough of the rest is evaluated for the report (the
+top-k runners-up, the best rival per mesh dimension). A MILP stopped at its time limit is reported in
 SearchResult.notes (plan.json warnings).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Iterator
@@ -103,6 +106,7 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     for group in _groups(ir, request, cluster):
         s.enumerate_group(group)
     s.refine()
+    s.fill(request.top_k)
     if not s.feasible:
         raise Infeasible(_no_fit_message(ir, request, gpu, cluster, s.misses) + s.unsolved_hint())
     ranked = _distinct(sorted(s.feasible.values(), key=lambda c: c.evaluation.step_time_s))
@@ -136,12 +140,16 @@ class _Search:
     bounds: int = 0
     capped: int = 0
     limit_stops: list[tuple[Layout, str]] = field(default_factory=list)
+    rest: list[tuple[float, int, Layout, Evaluation | None]] = field(default_factory=list)  # not refined
+    settled: set[Layout] = field(default_factory=set)  # recompute-free layouts whose balanced stages are optimal
 
     def evaluate(self, layout: Layout) -> Evaluation:
         self.evaluated += 1
         return evaluate(self.inputs, layout, self.gpu, self.cluster)
 
     def enumerate_group(self, group: tuple[int, int, int, int]) -> None:
+        """Queue every variant of a group with its lower bound (evaluated later, only if the bound can win),
+        unless the group's least-memory probe proves that nothing in it fits."""
         tp, pp, dp, zero = group
         probe = _least_memory_layout(self.request, tp, pp, dp, zero, self.ir)
         if probe is None:
@@ -153,31 +161,18 @@ class _Search:
         if not ev.fits and not self._may_fit(probe, ev):
             self.misses.append(Candidate(probe, ev))
             return
-        dead: set[tuple[int, bool]] = set()
-        for key, levels in _variants(self.ir, self.request, tp, pp, dp, zero):
-            if key not in dead and not self._add_levels(levels):
-                dead.add(key)  # fits under no assignment at this micro-batch, so at none larger either
-
-    def _add_levels(self, levels: list[Layout]) -> bool:
-        """Score one (micro-batch, vpp, sp) at its recompute levels (cheapest first); False if none can fit."""
-        bound = None
-        fitted = False
-        for layout in levels:
-            if fitted:  # more recompute than a level that fits: same bound, evaluated only if it can win
+        for _, levels in _variants(self.ir, self.request, tp, pp, dp, zero):
+            bound = self._cheap_bound(levels[0])  # recompute does not enter the bound: one for all levels
+            for layout in levels:
                 self._push(bound, layout, None)
-                continue
-            ev = self.evaluate(layout)
-            bound = stage_lower_bound(Candidate(layout, ev))
-            if ev.fits:
-                fitted = True
-                self.feasible[layout] = Candidate(layout, ev)
-                if _refinable(layout):
-                    self._push(bound, layout, ev)
-            elif _refinable(layout) and self._may_fit(layout, ev):
-                self._push(bound, layout, ev)
-            else:
-                self.misses.append(Candidate(layout, ev))
-        return fitted or any(self._may_fit(layout, None) for layout in levels if _refinable(layout))
+
+    def _cheap_bound(self, layout: Layout) -> float:
+        """stage_lower_bound from the cost model's per-block coefficients, without evaluating the layout."""
+        c = stage_coefficients(self.inputs, layout, self.gpu, self.cluster)
+        stages = layout.pp * layout.vpp
+        work = c.num_blocks * c.block_time_s + c.pre_time_s + c.post_time_s + stages * c.p2p_time_s
+        pp, m, vpp = layout.pp, layout.num_microbatches, layout.vpp
+        return m * work / pp + work * (1 - 1 / pp) / vpp
 
     def _may_fit(self, layout: Layout, ev: Evaluation | None) -> bool:
         """Whether some assignment of blocks to stages could fit (False is a proof that none does)."""
@@ -198,20 +193,33 @@ class _Search:
         return min((c.evaluation.step_time_s for c in self.feasible.values()), default=math.inf)
 
     def refine(self) -> None:
-        """Stage MILPs in order of the lower bound, until no queued layout can beat the best found."""
+        """Evaluate queued layouts in order of their lower bound and give each the stage MILP where it can
+        still win (LP bound first), until no queued layout can beat the best found."""
         best = self.best_s()
-        for bound, _, layout, ev in sorted(self.queue, key=lambda q: (q[0], q[1])):
+        self.queue.sort(key=lambda q: (q[0], q[1]))
+        for at, (bound, _, layout, ev) in enumerate(self.queue):
             if bound >= best:
-                break  # bounds are sorted: no later layout can win either
+                self.rest = self.queue[at:]
+                return  # bounds are sorted: no later layout can win either
             if ev is None:
                 ev = self.evaluate(layout)
                 if ev.fits:
                     self.feasible.setdefault(layout, Candidate(layout, ev))
                     best = min(best, ev.step_time_s)
+                    if layout.recompute == "none" and _balanced_is_shortest(
+                        self.inputs, layout, ev, self.gpu, self.cluster
+                    ):
+                        self.settled.add(layout)
+            if replace(layout, recompute="none") in self.settled:
+                continue  # no assignment has a shorter pipeline, and recompute only adds time: nothing to refine
+            if not _refinable(layout) or (not ev.fits and not self._may_fit(layout, ev)):
+                if not ev.fits:
+                    self.misses.append(Candidate(layout, ev))
+                continue
             if self.refined >= self.request.refine and (ev.fits or best < math.inf):
                 self.capped += 1  # a cap the caller asked for (screening); without one nothing is skipped
                 continue
-            if self._relaxed_bound(layout) >= best:
+            if self._relaxed_bound(layout, best) >= best:
                 if not ev.fits:
                     self.misses.append(Candidate(layout, ev))
                 continue  # no assignment the MILP can return beats the best: a valid cut
@@ -226,16 +234,47 @@ class _Search:
             if known is None or cand.evaluation.step_time_s < known.evaluation.step_time_s:
                 self.feasible[layout] = cand
                 best = min(best, cand.evaluation.step_time_s)
+        self.rest = []
 
-    def _relaxed_bound(self, layout: Layout) -> float:
+    def fill(self, k: int) -> None:
+        """Evaluate (balanced) enough of the layouts the refinement did not need for the report: the k runners-up
+        and, for --explain, the best layout with another tp, pp and dp than the chosen one. In bound order, so
+        a layout is left out only when its bound shows it cannot be among them."""
+        if not self.feasible:
+            return
+        best = min(self.feasible.values(), key=lambda c: c.evaluation.step_time_s).layout
+        dims = ("tp", "pp", "dp")
+        times = sorted(c.evaluation.step_time_s for c in self.feasible.values())
+        rivals = {d: math.inf for d in dims}
+        for c in self.feasible.values():
+            for d in dims:
+                if getattr(c.layout, d) != getattr(best, d):
+                    rivals[d] = min(rivals[d], c.evaluation.step_time_s)
+        for bound, _, layout, _ in self.rest:
+            kth = times[k] if len(times) > k else math.inf
+            if bound >= max(kth, *rivals.values()):
+                return
+            other = [d for d in dims if getattr(layout, d) != getattr(best, d)]
+            if bound >= kth and not any(bound < rivals[d] for d in other):
+                continue
+            ev = self.evaluate(layout)
+            if ev.fits and layout not in self.feasible:
+                self.feasible[layout] = Candidate(layout, ev)
+                bisect.insort(times, ev.step_time_s)
+                for d in other:
+                    rivals[d] = min(rivals[d], ev.step_time_s)
+
+    def _relaxed_bound(self, layout: Layout, best: float) -> float:
         """The LP relaxation's bound on the step time of any assignment the stage MILP can return (dp and
         optimizer time left out, ≥ 0)."""
         self.bounds += 1
+        integer = _integer_bound(self.inputs, layout, self.gpu, self.cluster)
+        if integer >= best:
+            return integer
         p2p = stage_coefficients(self.inputs, layout, self.gpu, self.cluster).p2p_time_s
         problem = self._problem(layout)
-        return pipeline_lower_bound(
-            problem, layout.num_microbatches, p2p, self.request.solver, self.request.time_limit_s
-        )
+        lp = pipeline_lower_bound(problem, layout.num_microbatches, p2p, self.request.solver, self.request.time_limit_s)
+        return max(lp, integer)
 
     def _solve(self, layout: Layout) -> tuple[Candidate | None, str]:
         cand, status = solve_layout(self.inputs, layout, self.gpu, self.cluster, self.request, self._problem(layout))
@@ -270,6 +309,42 @@ class _Search:
     def unsolved_hint(self) -> str:
         n = sum(1 for _, st in self.limit_stops if st == "time-limit-none")
         return f"; {n} stage MILPs stopped at the time limit without an answer: raise --time-limit" if n else ""
+
+
+def _shortest_rank(
+    inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
+) -> tuple[float, float]:
+    """(T*, W): the shortest busiest-rank time per micro-batch that any assignment of the identical blocks can
+    reach without recompute (integer blocks, at least one per virtual stage, memory ignored), and the ranks' total
+    W. Found by giving the next block to the rank it lengthens least until the ranks hold them all."""
+    c = stage_coefficients(inputs, layout, gpu, cluster)
+    pp, vpp, S = layout.pp, layout.vpp, layout.pp * layout.vpp
+    fixed = [vpp * c.p2p_time_s for _ in range(pp)]
+    fixed[0] += c.pre_time_s
+    fixed[(S - 1) % pp] += c.post_time_s
+    t_b = c.block_time_s
+    counts = [vpp] * pp
+    while sum(counts) < c.num_blocks:
+        r = min(range(pp), key=lambda i: fixed[i] + (counts[i] + 1) * t_b)
+        counts[r] += 1
+    return max(f + n * t_b for f, n in zip(fixed, counts)), sum(fixed) + c.num_blocks * t_b
+
+
+def _integer_bound(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> float:
+    """A pipeline time no assignment can beat: m·T* + (W − T*)/vpp is increasing in the busiest rank's time, and
+    recompute only lengthens ranks."""
+    t_star, work = _shortest_rank(inputs, layout, gpu, cluster)
+    return layout.num_microbatches * t_star + (work - t_star) / layout.vpp
+
+
+def _balanced_is_shortest(
+    inputs: ModelCostInputs, layout: Layout, ev: Evaluation, gpu: GPUProfile, cluster: ClusterProfile
+) -> bool:
+    """Whether balanced stages already give `layout` (no recompute) the shortest busiest rank of any assignment:
+    then no assignment has a shorter pipeline time, which without recompute depends on that rank alone."""
+    t_star, _ = _shortest_rank(inputs, layout, gpu, cluster)
+    balanced = max(sum(st.time_s for st in ev.stages[r :: layout.pp]) for r in range(layout.pp))
+    return balanced <= t_star * (1 + 1e-9)
 
 
 def _refinable(layout: Layout) -> bool:

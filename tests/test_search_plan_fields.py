@@ -69,10 +69,10 @@ def test_capture_warnings_and_defaults_reach_plan_json(capsys) -> None:
 
 def test_search_warns_when_a_milp_stops_at_its_time_limit() -> None:
     """A stage MILP given no time cannot prove anything: the search says so instead of planning on silently."""
-    ir = capture(load_model_spec("gpt3-175b"))
-    req = PlanRequest(num_gpus=64, global_batch=512, tp=8, pp=8, time_limit_s=0.001)
+    ir = capture(load_model_spec("llama3-8b"))  # on 40 GB it fits only with uneven stages: the MILP must run
+    req = PlanRequest(num_gpus=4, global_batch=64, tp=1, pp=4, time_limit_s=0.001)
     try:
-        result = search(ir, req, *resolve("a100-80gb", None))
+        result = search(ir, req, *resolve("a100-40gb", "dgx-a100"))
     except Infeasible as e:
         assert "time limit" in str(e)
         return

@@ -8,14 +8,12 @@ import sys
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from mlm.cli.common import run_command, stderr_console
 from mlm.cli.format import gib, si
-from mlm.planner.capture.inspect import inspect_summary
-from mlm.planner.capture.loader import load_model_spec, parse_model_args
+from mlm.planner.capture import cache
+from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.presets.registry import PRESETS
-from mlm.planner.capture.trace import capture
 from mlm.planner.errors import PlanError
 
 EPILOG = """examples:
@@ -87,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     parser.add_argument("--explain", action="store_true", help="say why each dimension took its value")
     parser.add_argument("--inspect", action="store_true", help="show the captured layers and stop")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="capture afresh, neither reading nor writing the capture cache ($MLM_CACHE_DIR, else ~/.cache/mlm)",
+    )
     return parser
 
 
@@ -96,26 +99,46 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _run(args), args.debug)
 
 
-def _run(args: argparse.Namespace) -> int:
-    spec = load_model_spec(args.model, args.entry, parse_model_args(args.model_arg))
+def load_or_capture(args: argparse.Namespace) -> tuple[Any, ModelIR, bool]:
+    """(spec, IR, from_cache): the cached capture when there is one (torch is not imported then), else a fresh
+    capture, stored for next time. --no-cache bypasses the cache."""
     if args.seq_len is not None and args.seq_len < 1:
         raise PlanError("--seq-len must be >= 1")
-    console = stderr_console()
-    with console.status(f"capturing {spec.display_name} on the meta device…"):
+    use_cache = not getattr(args, "no_cache", False)
+    key = cache.capture_key(args.model, args.entry, args.model_arg, args.seq_len, args.capture) if use_cache else None
+    hit = cache.load(key) if key else None
+    if hit is not None:
+        return hit[0], hit[1], True
+    from mlm.planner.capture.loader import load_model_spec, parse_model_args  # imports torch: only on a miss
+    from mlm.planner.capture.trace import capture
+
+    spec = load_model_spec(args.model, args.entry, parse_model_args(args.model_arg))
+    with stderr_console().status(f"capturing {spec.display_name} on the meta device…"):
         ir = capture(spec, seq_len=args.seq_len, method=args.capture)
+    if key:
+        cache.store(key, spec, ir)
+    return spec, ir, False
+
+
+def _run(args: argparse.Namespace) -> int:
+    spec, ir, cached = load_or_capture(args)
     if args.inspect:
+        from mlm.planner.capture.inspect import inspect_summary
+
         summary = inspect_summary(ir)
         if args.json:
             print(json.dumps(summary, indent=2))
         else:
-            print_inspect(summary, spec.display_name, Console())
+            print_inspect(summary, spec.display_name, Console(), cached)
         return 0
     from mlm.cli.plan_output import plan_command  # the search, imported only when planning
 
     return plan_command(args, spec, ir)
 
 
-def print_inspect(summary: dict[str, Any], name: str, console: Console) -> None:
+def print_inspect(summary: dict[str, Any], name: str, console: Console, cached: bool = False) -> None:
+    from rich.table import Table
+
     table = Table(title=f"{name}: captured layers (per sample of {summary['seq_len']} tokens)")
     for col, justify in (
         ("layer", "left"),
@@ -151,7 +174,10 @@ def print_inspect(summary: dict[str, Any], name: str, console: Console) -> None:
         f"{', tied embedding/head' if summary['tied_embeddings'] else ''}"
     )
     console.print(f"training FLOPs per token (6N-style, no recompute): {si(t['training_flops_per_token'], 'FLOP')}")
-    console.print(f"captured with {summary['capture_method']} in {summary['capture_seconds']:.2f} s")
+    console.print(
+        f"captured with {summary['capture_method']} in {summary['capture_seconds']:.2f} s"
+        + (" (read from the capture cache; --no-cache captures afresh)" if cached else "")
+    )
 
 
 if __name__ == "__main__":

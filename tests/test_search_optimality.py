@@ -29,7 +29,12 @@ from mlm.planner.search.layouts import (
     search,
     stage_problem,
 )
-from mlm.planner.search.stage_milp import memory_may_fit, pipeline_lower_bound, solve_stages_status
+from mlm.planner.search.stage_milp import (
+    integer_lower_bound,
+    memory_may_fit,
+    pipeline_lower_bound,
+    solve_stages_status,
+)
 
 CASES = [
     # model, seq_len, gpus, gpu, global batch, the pinned pipeline depths tried here (all: the benchmark)
@@ -126,6 +131,7 @@ def test_pipeline_bound_is_below_every_milp_answer() -> None:
         pipe = ev.step_time_s - ev.breakdown["dp_comm_s"] - ev.breakdown["optimizer_s"]
         assert bound <= pipe * (1 + 1e-6) + 1e-9
         assert _integer_bound(inputs, layout, gpu, cluster) <= pipe * (1 + 1e-6) + 1e-9
+        assert integer_lower_bound(problem, layout.num_microbatches, p2p) <= pipe * (1 + 1e-6) + 1e-9
         if layout.recompute == "none":  # balanced settled as shortest: the MILP finds no shorter busiest rank
             balanced = evaluate(inputs, layout, gpu, cluster)
             if _balanced_is_shortest(inputs, layout, balanced, gpu, cluster):

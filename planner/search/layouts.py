@@ -32,6 +32,7 @@ from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
 from mlm.planner.search.stage_milp import (
     StageProblem,
+    integer_lower_bound,
     memory_may_fit,
     pipeline_lower_bound,
     solve_stages_status,
@@ -58,6 +59,8 @@ class PlanRequest:
     solver: str = "cbc"
     time_limit_s: float = 10.0
     refine: int = UNLIMITED  # a cap on refining MILPs (mlm-whatif screening); by default only bounds prune
+    milp_budget_s: float = 60.0  # wall time for all stage MILPs of one search; past it the rest keep balanced
+    # stages, and the plan's warnings say how many could still have won
 
     @property
     def fully_pinned(self) -> bool:
@@ -139,6 +142,8 @@ class _Search:
     refined: int = 0
     bounds: int = 0
     capped: int = 0
+    over_budget: int = 0
+    milp_s: float = 0.0
     limit_stops: list[tuple[Layout, str]] = field(default_factory=list)
     rest: list[tuple[float, int, Layout, Evaluation | None]] = field(default_factory=list)  # not refined
     settled: set[Layout] = field(default_factory=set)  # recompute-free layouts whose balanced stages are optimal
@@ -219,6 +224,9 @@ class _Search:
             if self.refined >= self.request.refine and (ev.fits or best < math.inf):
                 self.capped += 1  # a cap the caller asked for (screening); without one nothing is skipped
                 continue
+            if self.milp_s >= self.request.milp_budget_s and best < math.inf:
+                self.over_budget += 1
+                continue
             if self._relaxed_bound(layout, best) >= best:
                 if not ev.fits:
                     self.misses.append(Candidate(layout, ev))
@@ -268,16 +276,21 @@ class _Search:
         """The LP relaxation's bound on the step time of any assignment the stage MILP can return (dp and
         optimizer time left out, ≥ 0)."""
         self.bounds += 1
-        integer = _integer_bound(self.inputs, layout, self.gpu, self.cluster)
-        if integer >= best:
-            return integer
         p2p = stage_coefficients(self.inputs, layout, self.gpu, self.cluster).p2p_time_s
         problem = self._problem(layout)
+        integer = max(
+            _integer_bound(self.inputs, layout, self.gpu, self.cluster),
+            integer_lower_bound(problem, layout.num_microbatches, p2p),
+        )
+        if integer >= best:
+            return integer
         lp = pipeline_lower_bound(problem, layout.num_microbatches, p2p, self.request.solver, self.request.time_limit_s)
         return max(lp, integer)
 
     def _solve(self, layout: Layout) -> tuple[Candidate | None, str]:
+        start = time.perf_counter()
         cand, status = solve_layout(self.inputs, layout, self.gpu, self.cluster, self.request, self._problem(layout))
+        self.milp_s += time.perf_counter() - start
         if status != "infeasible" or cand is not None:
             self.solves += 1
         if status.startswith("time-limit"):
@@ -299,6 +312,12 @@ class _Search:
                     f"the stage MILP stopped at its {limit:g} s time limit on {hit[0].describe()}{more} and "
                     f"{what}; raise --time-limit for a proved optimum"
                 )
+        if self.over_budget:
+            out.append(
+                f"the stage MILPs used up the search's {self.request.milp_budget_s:g} s budget: {self.over_budget} "
+                f"layouts whose lower bound could still beat the best kept balanced stages, so a pinned search "
+                f"may find a faster layout"
+            )
         if self.capped:
             out.append(
                 f"stage MILP refinement was capped at {self.request.refine} solves: {self.capped} layouts whose "

@@ -138,6 +138,69 @@ def pipeline_lower_bound(
     return float(pulp.value(prob.objective)) + (m - 1.0 / p.vpp) * p.vpp * p2p_time_s + S * p2p_time_s / p.vpp
 
 
+def integer_lower_bound(p: StageProblem, num_microbatches: int, p2p_time_s: float) -> float:
+    """A pipeline time (m·t_max + (Σ_r t_r − t_max)/vpp) that no integer assignment satisfying the MILP's memory
+    constraints can beat, without a solver. Per rank r holding n blocks: its memory is at least every chunk's one
+    block plus the rest on its chunk with the fewest in-flight micro-batches, and a recomputed block saves at most
+    what it saves on its chunk with the most; that gives the fewest recomputes k_r(n) it needs, hence a rank time
+    t_r(n) = fixed + n·t_b + k_r(n)·t_rc, non-decreasing in n. Handing blocks one by one to the rank whose time
+    grows least minimises max_r t_r (standard for non-decreasing costs); W, the ranks' total without recompute,
+    bounds Σ_r t_r. math.inf when no rank split can hold the blocks."""
+    S = p.pp * p.vpp
+    if p.num_blocks < S:
+        return math.inf
+    last = S - 1
+    saved = p.block_act_bytes - p.block_act_recompute_bytes
+    ranks = _ranks(p)
+    fixed_t, fixed_m, f_min, f_max, first = [], [], [], [], []
+    for stages in ranks:
+        t = p.vpp * p2p_time_s
+        m = 0.0
+        for i in stages:
+            m += p.block_static_bytes + p.inflight[i] * p.block_act_bytes
+            if i == 0:
+                t += p.pre_time_s
+                m += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
+            if i == last:
+                t += p.post_time_s
+                m += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
+        fixed_t.append(t)
+        fixed_m.append(m)
+        f_min.append(min(p.inflight[i] for i in stages))
+        f_max.append(max(p.inflight[i] for i in stages))
+        first.append(len(stages))
+
+    def rank_time(r: int, n: int) -> float:
+        memory = fixed_m[r] + (n - first[r]) * (p.block_static_bytes + f_min[r] * p.block_act_bytes)
+        need = 0
+        over = memory - p.capacity_bytes
+        if p.recompute_all:
+            need = n
+            over -= n * f_max[r] * saved
+        elif over > 0:
+            per = f_max[r] * saved if p.allow_recompute else 0.0
+            need = math.ceil(over / per - 1e-9) if per > 0 else n + 1
+            over = 0.0 if need <= n else over
+        if over > 1e-6 * max(p.capacity_bytes, 1.0) or need > n:
+            return math.inf
+        return fixed_t[r] + n * p.block_time_s + need * p.recompute_time_s
+
+    counts = list(first)
+    times = [rank_time(r, counts[r]) for r in range(p.pp)]
+    if math.isinf(max(times)):
+        return math.inf
+    for _ in range(p.num_blocks - sum(counts)):
+        r = min(range(p.pp), key=lambda j: rank_time(j, counts[j] + 1))
+        counts[r] += 1
+        times[r] = rank_time(r, counts[r])
+        if math.isinf(times[r]):
+            return math.inf
+    t_max = max(times)
+    work = sum(fixed_t) + p.num_blocks * p.block_time_s
+    m = num_microbatches
+    return m * t_max + (work - t_max) / p.vpp
+
+
 def solve_stages_status(
     problem: StageProblem, solver: str = "cbc", time_limit_s: float = 10.0, screen: bool = True
 ) -> tuple[StageSolution | None, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -12,11 +12,13 @@ from rich.table import Table
 from mlm.cli.common import stderr_console
 from mlm.cli.format import gib, seconds, si
 from mlm.planner.capture.graph import ModelIR
-from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.errors import PlanError
 from mlm.planner.plan import Plan, save_plan
 from mlm.planner.search.layouts import PlanRequest
 from mlm.planner.search.make_plan import make_plan
+
+if TYPE_CHECKING:  # ModelSpec imports torch; a cache hit passes a CachedSpec instead
+    from mlm.planner.capture.loader import ModelSpec
 
 
 def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) -> PlanRequest:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlm.planner.capture.graph import ModelIR
-from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.cost.collectives import group_link
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, resolve
 from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, summarize
@@ -23,6 +22,9 @@ from mlm.planner.search.explain import DIMENSIONS, alternatives, explain_dimensi
 from mlm.planner.search.layouts import Candidate, PlanRequest, SearchResult, evaluate_pinned, layout_problem, search
 from mlm.planner.search.plan_document import build_plan
 from mlm.planner.search.tp_sharding import TPCost, TPSharding, plan_tensor_parallel
+
+if TYPE_CHECKING:  # ModelSpec imports torch; a cache hit passes a CachedSpec instead
+    from mlm.planner.capture.loader import ModelSpec
 
 
 @dataclass(frozen=True)

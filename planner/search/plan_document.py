@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from mlm.planner.capture.graph import ModelIR
-from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.step_time import Evaluation, StageAssignment
 from mlm.planner.layout import Layout
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
+
+if TYPE_CHECKING:  # ModelSpec imports torch; a cache hit passes a CachedSpec instead
+    from mlm.planner.capture.loader import ModelSpec
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:

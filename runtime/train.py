@@ -130,14 +130,32 @@ def schedule_name(plan: Plan) -> str:
     return "1f1b" if lay.num_microbatches >= lay.pp else "gpipe"  # 1F1B needs >= pp micro-batches
 
 
-def setup(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None) -> Runtime:
+def setup(
+    plan: Plan,
+    opts: RunOptions,
+    spec: ModelSpec | None = None,
+    *,
+    mesh: MeshInfo | None = None,
+    tensor_mode: contextlib.AbstractContextManager | None = None,
+) -> Runtime:
+    """Build this rank's part of the plan. `mesh` and `tensor_mode` serve the dry run (dry_run.py): the mesh is
+    built before entering a FakeTensorMode (DeviceMesh reads ranks from real tensors), and everything that
+    allocates (model, stages, TP, FSDP, optimizer) is built inside `tensor_mode`."""
     check_plan_runnable(plan)
     lay = plan.layout
     device = _device(opts.device)
-    info = build_mesh(lay, device.type)
+    info = mesh or build_mesh(lay, device.type)
     spec = spec or load_checked_spec(plan)
     calls = record_layer_calls(spec, plan, lay.micro_batch)
     check_stage_boundaries(plan, calls)
+    with tensor_mode or contextlib.nullcontext():
+        return _build_runtime(plan, opts, spec, info, device, calls)
+
+
+def _build_runtime(
+    plan: Plan, opts: RunOptions, spec: ModelSpec, info: MeshInfo, device: torch.device, calls: dict[str, Any]
+) -> Runtime:
+    lay = plan.layout
     model = build_model(spec, opts.seed, "cpu")
     check_tp_map(plan.tensor_parallel, model)
     canonical = canonical_names(model)
@@ -148,7 +166,7 @@ def setup(plan: Plan, opts: RunOptions, spec: ModelSpec | None = None) -> Runtim
     stages: list[StageModule] = []
     vocab_head = False
     for i in mine:
-        stage = build_stage(model, spec.loss_fn, plan, i, calls, device, autocast).to(device)
+        stage = _on_device(build_stage(model, spec.loss_fn, plan, i, calls, device, autocast), device)
         if lay.tp > 1:
             vocab_head |= apply_tensor_parallel(
                 stage.inner.model, plan.tensor_parallel, info.tp_mesh, lay.sequence_parallel, seq_start
@@ -229,6 +247,14 @@ def _device(name: str) -> torch.device:
             raise Infeasible("--device cuda but no CUDA GPU is visible")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _on_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """module.to(device), skipped when every tensor is already there (fake tensors cannot be swapped in place)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if all(t.device == device for t in tensors):
+        return module
+    return module.to(device)
 
 
 def _unique_params(stages: list[StageModule]) -> list[nn.Parameter]:

@@ -85,6 +85,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "than GPUs or cores, or more memory than it has by the plan's prediction); without it such a plan is "
         "refused with the torchrun and sbatch lines for the cluster",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run one training step of every pipeline rank's role at the plan's full size on this CPU without "
+        "allocating (fake tensors, fake process group) and print measured peak memory by category and "
+        "collectives per step beside the plan's prediction",
+    )
+    p.add_argument("--json", action="store_true", help="with --dry-run: print one JSON document on stdout")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -96,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from mlm.runtime.launch import under_launcher
 
+        if args.dry_run:
+            return _dry_run(args, console)
+        if args.json:
+            raise PlanError("--json needs --dry-run")
         if under_launcher():
             return _worker(args, console)
         return _parent(args, raw, console)
@@ -117,6 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             soft_wrap=True,
         )
         return 1
+
+
+def _dry_run(args: argparse.Namespace, console: Console) -> int:
+    from mlm.cli.dry_run_output import dry_run_command
+    from mlm.planner.plan import load_plan
+
+    plan = load_plan(args.plan)
+    return dry_run_command(plan, _options(args, "cpu", None), args.json, console, Console())
 
 
 def _options(args: argparse.Namespace, device: str, resume: Path | None) -> RunOptions:

@@ -55,6 +55,9 @@ class Stage:
     recompute_layers: list[str]  # the subset of `layers` whose activations are recomputed
     memory_bytes: float = 0.0
     time_s: float = 0.0
+    # memory_bytes by term (params, grads, optimizer, activations, reserve), as the memory model prices it; the
+    # dry run (mlm-run --dry-run) compares its measurement with these
+    memory_by_category: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

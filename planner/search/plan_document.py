@@ -69,6 +69,13 @@ def build_plan(
                 recompute_layers=rc,
                 memory_bytes=float(cost.memory.total),
                 time_s=float(cost.time_s),
+                memory_by_category={
+                    "params": float(cost.memory.params),
+                    "grads": float(cost.memory.grads),
+                    "optimizer": float(cost.memory.optimizer),
+                    "activations": float(cost.memory.activations),
+                    "reserve": float(cost.memory.reserve),
+                },
             )
         )
     return Plan(

@@ -1,0 +1,469 @@
+"""`mlm-run --dry-run`: one training step of every distinct rank role at the plan's real sizes, allocating nothing.
+
+Each role is built by the same `setup()` that `mlm-run` uses, on fake tensors (FakeTensorMode) over torch's "fake"
+process-group backend (collectives return at once; Megatron's --fake-process-group and torchtitan's memory
+estimation do the same), and driven through one step: forward and backward of every micro-batch in the pipeline
+schedule's own action order, the gradient reductions, tied-weight sync, gradient norm and the optimizer step, with
+the optimizer state created first so the step is the steady state. Measured on the way:
+
+- memory: torch.distributed._tools' MemTracker, by category (parameters, buffers, gradients, activations,
+  temporaries, optimizer state), at the step's peak, plus the pipeline receive buffers;
+- collectives: every c10d / functional collective the step issues, counted with its payload bytes (CommDebugMode
+  counts calls but not bytes, so `CollectiveCounter` is a small dispatch mode over the same op sets).
+
+Roles: one rank per pipeline rank (dp_rank 0, tp_rank 0). Data- and tensor-parallel ranks of one pipeline rank run
+the same program on equal shards (the dp shards of FSDP2 differ by at most one padding row, tp shards are equal when
+tp divides the dimensions, which check_plan_runnable requires), so one of them stands for all.
+
+Pipeline schedules are not run through `schedule.step()`: torch's schedules exchange tensor metadata and vote over
+real point-to-point messages on their first step, which a fake process group cannot answer. The dry run executes the
+schedule's `pipeline_order` for this rank instead (the same F / B / REDUCE_GRAD actions), with the received
+activations and gradients as fake tensors of the shapes recorded on the meta device, and adds the receive buffers
+that torch's PipelineStage allocates per micro-batch (activations forward, gradients backward; kept for the step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.plan import Plan
+from mlm.runtime.mesh import MeshInfo, build_mesh
+from mlm.runtime.model_build import TensorSpec, load_checked_spec
+from mlm.runtime.optim import grad_norm, sync_tied_grads
+
+CATEGORIES = ("parameters", "buffers", "gradients", "activations", "temporaries", "optimizer", "other")
+_TRACKER_NAMES = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Optstate": "optimizer",
+    "Other": "other",
+}
+
+
+@dataclass
+class CollectiveTotals:
+    count: int = 0
+    bytes: float = 0.0
+
+
+@dataclass
+class RoleReport:
+    """What one rank role measured in its dry-run step."""
+
+    rank: int
+    pp_rank: int
+    stages: list[int]
+    peak_memory_bytes: float
+    memory_by_category: dict[str, float]
+    collectives: dict[str, CollectiveTotals]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts each collective op by name with its payload: the full (unsharded) tensor an all-gather produces or a
+    reduce-scatter consumes, the tensor an all-reduce / broadcast / all-to-all / p2p carries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops, funcol_native, funcol_py
+
+        self._ops = set(c10d_collective_ops) | {getattr(funcol_native, n) for n in _FUNCOL_NAMES}
+        self._ops |= {getattr(funcol_py, n) for n in _FUNCOL_NAMES if hasattr(funcol_py, n)}
+        self.totals: dict[str, CollectiveTotals] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        packet = getattr(func, "overloadpacket", func)
+        if packet in self._ops or func in self._ops:
+            name = canonical_collective(str(getattr(packet, "__name__", packet)))
+            entry = self.totals.setdefault(name, CollectiveTotals())
+            entry.count += 1
+            entry.bytes += _payload_bytes(name, args, out)
+        return out
+
+
+_FUNCOL_NAMES = (
+    "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+)
+
+
+def canonical_collective(name: str) -> str:
+    """One name per collective kind, whichever API issued it (c10d op, functional collective, coalesced form)."""
+    n = name.split(".")[-1].strip("_").replace("_coalesced", "").replace("_into_tensor", "")
+    if n in ("allgather", "all_gather", "allgather_base"):
+        return "all_gather"
+    if n in ("allreduce", "all_reduce"):
+        return "all_reduce"
+    if n in ("reduce_scatter", "reduce_scatter_base", "reduce_scatter_tensor"):
+        return "reduce_scatter"
+    if n in ("alltoall", "alltoall_base", "all_to_all_single", "all_to_all"):
+        return "all_to_all"
+    return n
+
+
+def _tensor_bytes(x: Any) -> float:
+    return float(sum(t.numel() * t.element_size() for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)))
+
+
+def _payload_bytes(name: str, args: tuple, out: Any) -> float:
+    if name == "all_gather":
+        # c10d allgather_ and _allgather_base_ write into their first argument; functional ones return it
+        target = args[0] if args and not _is_functional(out) else out
+        return _tensor_bytes(target)
+    if name == "reduce_scatter":
+        source = args[1] if len(args) > 1 and not _is_functional(out) else args[0]
+        return _tensor_bytes(source)
+    return _tensor_bytes(args[0]) if args else 0.0
+
+
+def _is_functional(out: Any) -> bool:
+    return isinstance(out, torch.Tensor) or (isinstance(out, list) and all(isinstance(t, torch.Tensor) for t in out))
+
+
+def dry_run(
+    plan: Plan,
+    opts: Any = None,
+    pp_ranks: list[int] | None = None,
+    progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
+) -> list[RoleReport]:
+    """Dry-run one step of each pipeline rank's role (all of them unless `pp_ranks`); see the module doc.
+
+    Each role runs in a fresh process (a process group and the meshes and DTensor caches built on it cannot be
+    torn down and rebuilt for another rank in one process), `workers` at a time (default: the CPU count, at most
+    4: each role holds its model's fake tensors and the Python objects of its stages)."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    from mlm.runtime.train import RunOptions, check_plan_runnable
+
+    check_plan_runnable(plan)
+    opts = opts or RunOptions(steps=1, device="cpu")
+    ranks = list(pp_ranks if pp_ranks is not None else range(plan.layout.pp))
+    workers = workers or max(1, min(4, os.cpu_count() or 1, len(ranks)))
+    context = multiprocessing.get_context("spawn")
+    reports: dict[int, RoleReport] = {}
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(dry_run_role, plan, opts, r): r for r in ranks}
+        for future in concurrent.futures.as_completed(futures):
+            report = future.result()
+            reports[report.pp_rank] = report
+            if progress is not None:
+                progress(f"pipeline rank {report.pp_rank} done in {report.seconds:.1f} s ({len(reports)}/{len(ranks)})")
+    return [reports[r] for r in ranks]
+
+
+def dry_run_role(plan: Plan, opts: Any, pp_rank: int, spec: ModelSpec | None = None) -> RoleReport:
+    """One role's dry run in this process (which must have no default process group)."""
+    spec = spec or load_checked_spec(plan)
+    return _dry_run_role(plan, opts, spec, boundary_specs(spec, plan), pp_rank)
+
+
+@contextlib.contextmanager
+def _metadata_on_real_tensors() -> Iterator[None]:
+    """Run torch's mesh and shard-layout bookkeeping outside the FakeTensorMode.
+
+    DeviceMesh (also the meshes FSDP2 builds for TP x DP parameters) computes rank coordinates, and _StridedShard
+    (a fused-QKV split of a tensor-parallel tensor) its local offsets, with small tensor ops that read values back;
+    under fake tensors those values do not exist. They are metadata, not model tensors, so they are computed on
+    real tensors. No torch API exposes this, hence the wrapping of the two functions for the dry run's duration."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    targets = [(DeviceMesh, "__init__"), (_StridedShard, "local_shard_size_and_offset")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in targets if name in owner.__dict__]
+    for owner, name, original in saved:
+        fn = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
+
+        def real(*args: Any, __fn: Any = fn, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return __fn(*args, **kwargs)
+
+        wrapped: Any = real
+        if isinstance(original, staticmethod):
+            wrapped = staticmethod(real)
+        elif isinstance(original, classmethod):
+            wrapped = classmethod(real)
+        setattr(owner, name, wrapped)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world: int) -> Iterator[None]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run needs a process without a default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _dry_run_role(
+    plan: Plan, opts: Any, spec: ModelSpec, bounds: dict[int, list[TensorSpec]], pp_rank: int
+) -> RoleReport:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mlm.runtime import checkpoint as ckpt
+    from mlm.runtime.train import setup
+
+    lay = plan.layout
+    rank = (pp_rank * lay.dp) * lay.tp  # dp_rank 0, tp_rank 0 of this pipeline rank
+    start = time.perf_counter()
+    with _fake_world(rank, lay.world_size), _metadata_on_real_tensors():
+        info = build_mesh(lay, "cpu")
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        rt = setup(plan, opts, spec, mesh=info, tensor_mode=fake)
+        notes: list[str] = []
+        with fake:
+            if opts.optimizer == "adamw":
+                ckpt.init_optimizer_state(rt.optimizer)  # steady state: moments exist before the step
+            tracker = _micro_batch_tracker()
+            tracker.track_external(*rt.runners, rt.optimizer)
+            counter = CollectiveCounter()
+            with tracker, counter:
+                _one_step(rt, info, bounds)
+            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+    by_category = {name: 0.0 for name in CATEGORIES}
+    for key, value in snapshot.items():
+        name = _TRACKER_NAMES.get(getattr(key, "value", str(key)), None)
+        if name is not None:
+            by_category[name] += float(value)
+    peak = float(snapshot.get("Total", sum(by_category.values())))
+    buffers = pipeline_buffer_bytes(plan, bounds, pp_rank)
+    if buffers:
+        by_category["pipeline_buffers"] = buffers
+        peak += buffers
+        notes.append("pipeline receive buffers (one per micro-batch, as torch's PipelineStage allocates) added")
+    collectives = dict(counter.totals)
+    for name, totals in pipeline_p2p(plan, bounds, pp_rank).items():
+        collectives[name] = totals
+    return RoleReport(
+        rank=rank,
+        pp_rank=pp_rank,
+        stages=[s.index for s in rt.stages],
+        peak_memory_bytes=peak,
+        memory_by_category=by_category,
+        collectives=collectives,
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
+
+
+def _micro_batch_tracker() -> Any:
+    """torch's MemTracker, allowing a stage (a root module) to run once per micro-batch: MemTracker refuses a root
+    module's second forward in one tracking session (it takes it for the next iteration). Its per-module statistics
+    restart with each micro-batch; the categories and the peak, which the dry run reads, are global and unchanged."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class MicroBatchMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                name = self._mod_tracker.get_known_fqn(module)
+                if set(self._mod_tracker.parents) - {name} == {"Global"}:
+                    del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return MicroBatchMemTracker()
+
+
+def _one_step(rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]]) -> None:
+    """The training step as run_steps (train.py) runs it, without reading any value back."""
+    lay = rt.plan.layout
+    inputs, targets = rt.source.batch(0, info.dp_rank, lay.dp, rt.device)
+    rt.optimizer.zero_grad(set_to_none=True)
+    with rt.tp_contexts():
+        if rt.schedule is None:
+            from mlm.runtime.train import _forward_backward
+
+            _forward_backward(rt, inputs, targets)
+        else:
+            _pipeline_step(rt, info, bounds, inputs, targets)
+    sync_tied_grads(rt.tied)
+    exclude = {id(c.param) for c in rt.tied if not c.primary}
+    grad_norm(rt.params, info.pp_group if lay.pp > 1 else None, exclude)
+    rt.optimizer.step()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _first_layer(plan: Plan, stage: int) -> str:
+    return next(x for x in plan.stages[stage].layers if x != "loss")
+
+
+def boundary_specs(spec: ModelSpec, plan: Plan) -> dict[int, list[TensorSpec]]:
+    """Stage index -> the activations it receives for one micro-batch (the floating tensors with gradients among
+    its first layer's call arguments), from one training step on the meta device."""
+    from mlm.planner.capture.loader import instantiate
+    from mlm.planner.capture.training_step import TrainingModule
+    from mlm.runtime.model_build import model_vocab, token_batch
+
+    model = instantiate(spec, "meta")
+    firsts = {_first_layer(plan, s): s for s in range(1, len(plan.stages))}
+    found: dict[int, list[TensorSpec]] = {}
+    handles = []
+    for fqn, stage in firsts.items():
+
+        def pre(_m: Any, args: tuple, kwargs: dict, stage: int = stage) -> None:
+            if stage not in found:
+                found[stage] = [
+                    TensorSpec(tuple(x.shape), x.dtype)
+                    for x in pytree.tree_leaves((args, kwargs))
+                    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
+                ]
+
+        handles.append(model.get_submodule(fqn).register_forward_pre_hook(pre, with_kwargs=True))
+    inputs, targets = token_batch(model_vocab(model, plan), plan.layout.micro_batch, plan.training.seq_len, "meta")
+    try:
+        TrainingModule(model, spec.loss_fn)(inputs, targets)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def pipeline_buffer_bytes(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_rank: int) -> float:
+    """Bytes of the receive buffers torch's PipelineStage keeps for this rank: for each of its stages and each
+    micro-batch, one buffer per received activation (stages > 0) and one per gradient of its output (all but the
+    last stage)."""
+    lay = plan.layout
+    total = 0.0
+    for s in range(len(plan.stages)):
+        if s % lay.pp != pp_rank:
+            continue
+        if s > 0:
+            total += _boundary_bytes(bounds, s) * lay.num_microbatches
+        if s < len(plan.stages) - 1:
+            total += _boundary_bytes(bounds, s + 1) * lay.num_microbatches
+    return total
+
+
+def _boundary_bytes(bounds: dict[int, list[TensorSpec]], stage: int) -> float:
+    """Bytes of the activations sent into stage `stage` for one micro-batch."""
+    return float(sum(_numel(s.shape) * s.dtype.itemsize for s in bounds.get(stage, [])))
+
+
+def pipeline_p2p(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_rank: int) -> dict[str, CollectiveTotals]:
+    """Point-to-point messages this rank sends in one step (activations forward, gradients backward)."""
+    lay = plan.layout
+    send = CollectiveTotals()
+    for s in range(len(plan.stages)):
+        if s % lay.pp != pp_rank:
+            continue
+        if s < len(plan.stages) - 1:  # activations to the next stage
+            send.count += lay.num_microbatches
+            send.bytes += _boundary_bytes(bounds, s + 1) * lay.num_microbatches
+        if s > 0:  # gradients to the previous stage
+            send.count += lay.num_microbatches
+            send.bytes += _boundary_bytes(bounds, s) * lay.num_microbatches
+    return {"send": send} if send.count else {}
+
+
+def _pipeline_step(
+    rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]], inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """This rank's actions of the schedule's pipeline_order (see module doc)."""
+    from torch.distributed.pipelining._backward import stage_backward
+
+    plan, lay = rt.plan, rt.plan.layout
+    n = lay.num_microbatches
+    order = rt.schedule.pipeline_order
+    if order is None:
+        raise RuntimeError(f"the {type(rt.schedule).__name__} schedule has no pipeline_order to dry-run")
+    pstages = {st.stage_index: st for st in _schedule_stages(rt.schedule)}
+    runners = {st.index: runner for st, runner in zip(rt.stages, rt.runners)}
+    in_chunks = inputs.chunk(n)
+    tgt_chunks = targets.chunk(n)
+    saved: dict[tuple[int, int], tuple[Any, tuple[torch.Tensor, ...]]] = {}
+    done_backward: dict[int, int] = {}
+    for action in order[info.pp_rank]:
+        if action is None:
+            continue
+        kind = action.computation_type.value
+        s, mb = action.stage_index, action.microbatch_index
+        if kind == "F":
+            received = (
+                tuple(
+                    torch.zeros(spec.shape, dtype=spec.dtype, device=rt.device, requires_grad=True)
+                    for spec in bounds.get(s, [])
+                )
+                if s > 0
+                else ()
+            )
+            out = runners[s](*received, inputs=in_chunks[mb], targets=tgt_chunks[mb])
+            saved[(s, mb)] = (out, received)
+        elif kind == "B":
+            out, received = saved.pop((s, mb))
+            runner = runners[s]
+            last = done_backward.get(s, 0) == n - 1
+            done_backward[s] = done_backward.get(s, 0) + 1
+            if s == len(plan.stages) - 1:
+                outputs, grads = out.reshape(()), None
+            else:
+                outputs = out
+                grads = tuple(torch.zeros_like(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            with _backward_sync(runner, last):
+                stage_backward(outputs, grads, list(received))
+        elif kind == "REDUCE_GRAD":
+            pstages[s].perform_reduce_grad(n if rt.schedule.scale_grads else 1)
+        else:
+            raise RuntimeError(f"the dry run does not execute pipeline action {action!r}")
+    if not any(a is not None and a.computation_type.value == "REDUCE_GRAD" for a in order[info.pp_rank]):
+        for st in pstages.values():  # schedules without REDUCE_GRAD actions reduce after the last backward
+            st.perform_reduce_grad(n if rt.schedule.scale_grads else 1)
+
+
+@contextlib.contextmanager
+def _backward_sync(runner: Any, last: bool) -> Iterator[None]:
+    """What PipelineStage.backward_maybe_with_nosync does around one micro-batch's backward."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(runner, DistributedDataParallel) and not last:
+        with runner.no_sync():
+            yield
+        return
+    if isinstance(runner, FSDPModule):
+        runner.set_is_last_backward(False)
+        runner.set_reshard_after_backward(False)
+        runner.set_requires_gradient_sync(False)
+    yield
+
+
+def _schedule_stages(schedule: Any) -> list[Any]:
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]

@@ -34,7 +34,12 @@ def predicted_rank_memory(plan: Plan, pp_rank: int) -> tuple[float, dict[str, fl
     return total, terms
 
 
-def report_document(plan: Plan, reports: list[Any], predicted_collectives: dict[int, dict] | None = None) -> dict:
+def _predicted_collectives(plan: Plan, pp_rank: int) -> dict:
+    per_rank = plan.predicted.collectives_per_rank if plan.predicted is not None else []
+    return per_rank[pp_rank] if pp_rank < len(per_rank) else {}
+
+
+def report_document(plan: Plan, reports: list[Any]) -> dict:
     """The --json document: {"ranks": [{rank, stage, measured/predicted peak, categories, collectives}]}."""
     ranks = []
     for r in reports:
@@ -49,7 +54,7 @@ def report_document(plan: Plan, reports: list[Any], predicted_collectives: dict[
                 "memory_by_category": r.memory_by_category,
                 "predicted_memory_by_category": terms,
                 "collectives": {k: {"count": v.count, "bytes": v.bytes} for k, v in sorted(r.collectives.items())},
-                "predicted_collectives": (predicted_collectives or {}).get(r.pp_rank, {}),
+                "predicted_collectives": _predicted_collectives(plan, r.pp_rank),
                 "seconds": r.seconds,
                 "notes": r.notes,
             }

@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--explain", action="store_true", help="say why each dimension took its value")
     parser.add_argument("--inspect", action="store_true", help="show the captured layers and stop")
     parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="after planning, dry-run the chosen plan (as mlm-run --dry-run: one step per pipeline rank at full "
+        "size on fake tensors) and print measured memory and collectives beside the prediction",
+    )
+    parser.add_argument(
         "--no-cache",
         action="store_true",
         help="capture afresh, neither reading nor writing the capture cache ($MLM_CACHE_DIR, else ~/.cache/mlm)",

@@ -62,6 +62,8 @@ def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
     if args.out:
         save_plan(plan, args.out)
     if args.json:
+        if getattr(args, "verify", False):
+            raise PlanError("--verify prints a table; use mlm-run PLAN --dry-run --json for the JSON document")
         print(plan.to_json())
         return 0
     out = Console()
@@ -72,6 +74,11 @@ def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
             out.print(f"  • {line}")
     if args.out:
         out.print(f"wrote {args.out}")
+    if getattr(args, "verify", False):
+        from mlm.cli.dry_run_output import dry_run_command
+        from mlm.runtime.train import RunOptions
+
+        return dry_run_command(plan, RunOptions(steps=1, device="cpu"), False, console, out)
     return 0
 
 
@@ -145,6 +152,8 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
         console.print(f"[dim]pinned: {', '.join(plan.pinned)}; everything else searched[/]")
     for line in plan.warnings:
         console.print(f"[yellow]warning[/] {line}")
+    if summary.get("calibration"):
+        console.print(f"[dim]calibration: {summary['calibration']} (docs/calibration.md)[/]")
     console.print(f"[dim]{summary['search']}[/]")
 
 

@@ -68,6 +68,8 @@ class Predicted:
     mfu: float
     peak_memory_bytes: float
     breakdown: dict[str, float]
+    # per pipeline rank: {op: {"count", "bytes"}} per step as the cost model prices it (cost/collective_counts.py)
+    collectives_per_rank: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,7 @@ _TYPES: dict[str, Any] = {
     "dict[str, float]": dict,
     "dict[str, str]": dict,
     "list[str]": list,
+    "list[Any]": list,
     "Recompute": str,
 }
 

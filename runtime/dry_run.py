@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,7 @@ def _metadata_on_real_tensors() -> Iterator[None]:
 
     targets = [(DeviceMesh, "__init__"), (_StridedShard, "local_shard_size_and_offset")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in targets if name in owner.__dict__]
+    chunker = _lazy_fsdp_chunks()
     for owner, name, original in saved:
         fn = original.__func__ if isinstance(original, (staticmethod, classmethod)) else original
 
@@ -209,10 +210,56 @@ def _metadata_on_real_tensors() -> Iterator[None]:
             wrapped = classmethod(real)
         setattr(owner, name, wrapped)
     try:
-        yield
+        with chunker:
+            yield
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+class _LazyChunks(Sequence):
+    """torch.chunk(tensor, n, dim) padded with empty tensors to n, as FSDP2's _chunk_with_empty returns, but each
+    chunk made (as the same view, by narrow) only when read. FSDP2 reads one chunk of each parameter, its rank's;
+    materialising all dp-degree chunks as fake tensors costs ~0.15 s per parameter at dp = 512."""
+
+    def __init__(self, tensor: torch.Tensor, num_chunks: int, dim: int) -> None:
+        self.tensor, self.num_chunks, self.dim = tensor, num_chunks, dim
+        size = tensor.size(dim)
+        self.step = -(-size // num_chunks) if size else 0
+        self.nonempty = -(-size // self.step) if self.step else 0
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.num_chunks))]
+        i = i + self.num_chunks if i < 0 else i
+        if not 0 <= i < self.num_chunks:
+            raise IndexError(i)
+        if i >= self.nonempty:
+            return self.tensor.new_empty(0)
+        start = i * self.step
+        return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+
+@contextlib.contextmanager
+def _lazy_fsdp_chunks() -> Iterator[None]:
+    """FSDP2's parameter chunking made lazy for the dry run (see _LazyChunks); torch has no option for it."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:  # another torch layout: run as is, only slower
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+    _fsdp_param._chunk_with_empty = _LazyChunks  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 @contextlib.contextmanager
@@ -233,7 +280,6 @@ def _dry_run_role(
 ) -> RoleReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from mlm.runtime import checkpoint as ckpt
     from mlm.runtime.train import setup
 
     lay = plan.layout
@@ -245,8 +291,7 @@ def _dry_run_role(
         rt = setup(plan, opts, spec, mesh=info, tensor_mode=fake)
         notes: list[str] = []
         with fake:
-            if opts.optimizer == "adamw":
-                ckpt.init_optimizer_state(rt.optimizer)  # steady state: moments exist before the step
+            _steady_optimizer_state(rt.optimizer)
             tracker = _micro_batch_tracker()
             tracker.track_external(*rt.runners, rt.optimizer)
             counter = CollectiveCounter()
@@ -283,6 +328,7 @@ def _micro_batch_tracker() -> Any:
     """torch's MemTracker, allowing a stage (a root module) to run once per micro-batch: MemTracker refuses a root
     module's second forward in one tracking session (it takes it for the next iteration). Its per-module statistics
     restart with each micro-batch; the categories and the peak, which the dry run reads, are global and unchanged."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class MicroBatchMemTracker(MemTracker):
@@ -293,7 +339,29 @@ def _micro_batch_tracker() -> Any:
                     del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
 
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # only the global peak: MemTracker also walks every module's statistics on every op (quadratic in
+            # model size: minutes for a 96-layer stage), which the dry run does not read
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
+                    self._peak_mem[dev] = snap[_TOTAL]
+                    self._peak_mem_snap[dev] = dict(snap)
+
     return MicroBatchMemTracker()
+
+
+def _steady_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """The state tensors the optimizer holds from its second step on (Adam/AdamW: step, exp_avg, exp_avg_sq), so
+    the measured step is a steady-state one; created directly (a zero-lr step on fake tensors costs seconds)."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
 
 
 def _one_step(rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]]) -> None:

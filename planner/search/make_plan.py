@@ -80,6 +80,11 @@ def make_plan(
         "capacity_bytes": best.evaluation.capacity_bytes,
         "block_names": {layer.name for layer in ir.blocks},
         "search": how,
+        "calibration": (
+            f"{gpu.name} profile {gpu.calibration.summary()}"
+            if gpu.calibration is not None
+            else f"{gpu.name} profile: uncalibrated (no [calibration] table)"
+        ),
     }
     return PlanOutcome(plan=plan, result=result, summary=summary, explanations=explanations)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mlm.planner.capture.graph import ModelIR
+from mlm.planner.cost.collective_counts import rank_collectives
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
-from mlm.planner.cost.step_time import Evaluation, StageAssignment
+from mlm.planner.cost.step_time import MLM_RUN, Evaluation, StageAssignment, summarize
 from mlm.planner.layout import Layout
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
 
@@ -46,6 +47,31 @@ def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None
         pos += n
         layers = (names[:first] if i == 0 else []) + mine + (names[last + 1 :] if i == num_stages - 1 else [])
         out.append((layers, mine[:r]))
+    return out
+
+
+def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignment | None) -> list[dict]:
+    """Per pipeline rank, the collectives of one step as the cost model prices them (plan.json, for the dry run)."""
+    inputs = summarize(ir)
+    counts = assignment.blocks_per_stage if assignment else balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
+    params = {layer.name: layer.params for layer in ir.layers}
+    units = {
+        i: sum(1 for x in layers if params.get(x, 0) > 0) + 1
+        for i, (layers, _) in enumerate(stage_layers(ir, layout, assignment))
+    }
+    out = []
+    for rank in range(layout.pp):
+        ops = rank_collectives(
+            inputs,
+            layout,
+            counts,
+            rank,
+            MLM_RUN.grad_reduce_bytes,
+            MLM_RUN.ddp_bucket_bytes,
+            MLM_RUN.zero3_reduce_every_microbatch,
+            units,
+        )
+        out.append({op: {"count": c.count, "bytes": c.bytes} for op, c in sorted(ops.items())})
     return out
 
 
@@ -107,6 +133,7 @@ def build_plan(
             mfu=evaluation.mfu,
             peak_memory_bytes=float(evaluation.peak_memory_bytes),
             breakdown={k: float(v) for k, v in evaluation.breakdown.items()},
+            collectives_per_rank=predicted_collectives(ir, layout, assignment),
         ),
         alternatives=alternatives,
     )

@@ -8,26 +8,35 @@ the model in which
 
 - the stage's layers are the original modules (parameters keep their FQNs, so checkpoints are layout-free and the
   plan's tensor_parallel keys match);
-- every parameter-holding layer of another stage is a `Placeholder` without parameters that returns zeros shaped
-  like the real output (recorded in a meta-device dry run), so the root-level code of the forward (loops over
-  blocks, position ids, masks) runs unchanged and cheaply; parameterless layers (dropout, rotary tables) run;
+- every layer of another stage is a `Placeholder` without parameters or submodules; it returns *phantoms*: a
+  one-element zero expanded to the recorded output shape (recorded in a meta-device dry run), so nothing of the
+  other stage's size is allocated or computed. While the stage's forward runs, `PhantomMode` (a
+  TorchDispatchMode) answers every op that reads a phantom with a phantom of the op's output shape, found on the
+  meta device: the root-level code between other stages' layers (adding position embeddings, dropout, loops)
+  runs without allocating or computing either. Ops on real tensors only (position ids, masks) run as usual;
 - the first layer of the next stage is a `Boundary` that stops the forward by raising `StopStage` with its
   arguments; the stage sends the arguments that are activations (floating tensors with gradients);
 - on the next stage a pre-hook on its first layer swaps those argument leaves for the received tensors.
 
-Limitation (checked where possible): activations must flow layer to layer; a root-level skip connection that
-jumps over a stage boundary would read a placeholder.
+A phantom reaching one of the stage's own layers (after the received activations are swapped in), the tensors
+sent to the next stage, or the loss means the model has a connection that skips over a stage boundary (e.g. a
+root-level residual from the embedding to the head): the stage fails with one line naming the layer that reads
+it and the other stage's layer it comes from. Tied weights need nothing special: the owning layer holds the
+parameter on its stage, and optim.py keeps the copies on different stages equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.training_step import TrainingModule
 from mlm.planner.errors import PlanFileError
@@ -43,8 +52,63 @@ class StopStage(BaseException):
         self.args, self.kwargs = args, kwargs
 
 
+PHANTOM_ATTR = "_mlm_phantom_of"  # set on phantom tensors: the FQN of the other stage's layer they stand for
+
+
+def phantom_of(x: Any) -> str | None:
+    """The other-stage layer a phantom tensor stands for, or None for a real tensor (or a non-tensor)."""
+    return getattr(x, PHANTOM_ATTR, None) if isinstance(x, torch.Tensor) else None
+
+
+def make_phantom(shape: Any, dtype: torch.dtype, device: torch.device, origin: str) -> torch.Tensor:
+    """A one-element zero expanded to `shape` (no memory of that size), tagged with the layer it stands for."""
+    t = torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+    setattr(t, PHANTOM_ATTR, origin)
+    return t
+
+
+class PhantomMode(TorchDispatchMode):
+    """Ops that read a phantom return phantoms of their output shapes (computed on meta); others run as usual."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        origin = next((o for o in map(phantom_of, leaves) if o is not None), None)
+        if origin is None:
+            return func(*args, **kwargs)
+        written = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        bound = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        for name in written:  # in place into a real tensor from another stage's value: would corrupt it
+            if isinstance(bound.get(name), torch.Tensor) and phantom_of(bound[name]) is None:
+                raise PlanFileError(
+                    f"root-level code writes the output of {origin} (on another pipeline stage) into a tensor "
+                    f"of this stage ({func}); cut the stages elsewhere"
+                )
+        try:
+            meta_out = func(*pytree.tree_map(_to_meta, args), **pytree.tree_map(_to_meta, kwargs))
+        except Exception as e:  # data-dependent ops (.item(), nonzero) or ops without a meta kernel
+            raise PlanFileError(
+                f"root-level code computes {func} from the output of {origin}, which lives on another "
+                f"pipeline stage ({type(e).__name__}); cut the stages elsewhere"
+            ) from None
+        if written and isinstance(bound.get(written[0]), torch.Tensor):
+            return bound[written[0]]
+        return pytree.tree_map(
+            lambda m: make_phantom(m.shape, m.dtype, self.device, origin) if isinstance(m, torch.Tensor) else m,
+            meta_out,
+        )
+
+
+def _to_meta(x: Any) -> Any:
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+
 class Placeholder(nn.Module):
-    """Stands in for a layer that lives on another stage: no parameters, returns zeros of the recorded shape."""
+    """Stands in for a layer that lives on another stage: holds nothing, returns phantoms of the recorded shapes."""
 
     def __init__(self, fqn: str, output: Any, device: torch.device) -> None:
         super().__init__()
@@ -52,7 +116,7 @@ class Placeholder(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return pytree.tree_map(
-            lambda s: torch.zeros(s.shape, dtype=s.dtype, device=self.device) if isinstance(s, TensorSpec) else s,
+            lambda s: make_phantom(s.shape, s.dtype, self.device, self.fqn) if isinstance(s, TensorSpec) else s,
             self.output,
         )
 
@@ -105,6 +169,9 @@ class StageModule(nn.Module):
             inner.model.get_submodule(recv_layer).register_forward_pre_hook(
                 self._inject, with_kwargs=True, prepend=True
             )
+        if index > 0:  # only later stages meet phantoms (the layers before them live elsewhere)
+            for fqn in layers:
+                inner.model.get_submodule(fqn).register_forward_pre_hook(partial(_check_real, fqn), with_kwargs=True)
 
     @property
     def is_last(self) -> bool:
@@ -117,19 +184,27 @@ class StageModule(nn.Module):
                     f"stage {self.index} received {len(received)} tensors, expected {len(self.recv_leaves)}"
                 )
             self._received = received
+        device = next((t.device for t in (*received, targets) if isinstance(t, torch.Tensor)), torch.device("cpu"))
         try:
-            if self.context is not None:
-                with self.context():
-                    loss = self.inner(inputs, targets)
-            else:
+            with contextlib.ExitStack() as stack:
+                if self.context is not None:
+                    stack.enter_context(self.context())
+                if self.index > 0:
+                    stack.enter_context(PhantomMode(device))
                 loss = self.inner(inputs, targets)
         except StopStage as stop:
             leaves = pytree.tree_leaves((stop.args, stop.kwargs))
-            return tuple(_to_local(leaves[i]) for i in self.send_leaves)
+            sent = tuple(leaves[i] for i in self.send_leaves)
+            for x in sent:
+                if phantom_of(x) is not None:
+                    raise PlanFileError(_skip_message(self.layers[-1], "the next stage", phantom_of(x))) from None
+            return tuple(_to_local(x) for x in sent)
         finally:
             self._received = None
         if not self.is_last:
             raise RuntimeError(f"stage {self.index} finished the forward without reaching the next stage")
+        if phantom_of(loss) is not None:
+            raise PlanFileError(_skip_message("the loss", "this stage", phantom_of(loss)))
         return loss.reshape(1)  # shape (1,): pipeline schedules concatenate the last stage's outputs
 
     def _inject(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -141,6 +216,22 @@ class StageModule(nn.Module):
         self._received = None
         new_args, new_kwargs = pytree.tree_unflatten(leaves, spec)
         return tuple(new_args), dict(new_kwargs)
+
+
+def _check_real(fqn: str, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Pre-hook on a stage's own layer: none of its inputs may stand for another stage's output."""
+    for x in pytree.tree_leaves((args, kwargs)):
+        origin = phantom_of(x)
+        if origin is not None:
+            raise PlanFileError(_skip_message(fqn, "this stage", origin))
+
+
+def _skip_message(reader: str, where: str, origin: str) -> str:
+    return (
+        f"{reader} (on {where}) reads the output of {origin}, which runs on an earlier pipeline stage: the model "
+        f"has a connection that skips over a stage boundary; cut the stages so that only the previous layer's "
+        f"activations cross it"
+    )
 
 
 def _to_local(x: Any) -> Any:
@@ -195,10 +286,7 @@ def build_stage(
     for fqn in all_layers:
         if fqn in own:
             continue
-        if fqn == next_first:
-            replacements[fqn] = Boundary(fqn)
-        elif any(True for _ in model.get_submodule(fqn).parameters()):
-            replacements[fqn] = Placeholder(fqn, calls[fqn].output, device)
+        replacements[fqn] = Boundary(fqn) if fqn == next_first else Placeholder(fqn, calls[fqn].output, device)
     stage_model = _replace_modules(model, replacements)
     send = calls[next_first].grad_leaves if next_first is not None else ()
     recv_layer = own[0] if index > 0 else None

@@ -8,6 +8,7 @@ random offsets.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,3 +79,45 @@ class TokenSource:
         rows = self.global_batch // dp
         mine = tokens[dp_rank * rows : (dp_rank + 1) * rows].to(device)
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()  # user code may .view() them (nanoGPT)
+
+
+class DropoutSeeds:
+    """Dropout masks that do not depend on the layout: before each plan layer runs on a micro-batch, the default
+    generators (CPU and CUDA) are seeded from (seed, step, global micro-batch index, layer FQN).
+
+    The reference is one device running the same global batch as global_batch / micro_batch micro-batches of the
+    plan's micro_batch rows, in order: data-parallel rank r's micro-batch j is global micro-batch r·n + j (n =
+    num_microbatches), whose rows TokenSource.batch gives it. So a layer draws the same mask for the same rows
+    under any dp and pp (every schedule runs a stage's forwards in micro-batch order; recompute restores the
+    generator state checkpoint saved after the seeding). What differs: a plan with another micro_batch draws other
+    masks (the same rows, another micro-batch); and under tp, dropout on an activation sharded over tp (attention
+    heads, sequence-parallel regions) draws each shard's mask from the same seed on CPU, so it is not one device's
+    mask (on CUDA, DTensor's offset-based RNG tracker draws disjoint parts of it); dropout on replicated
+    activations is one device's mask on every tp rank."""
+
+    def __init__(self, seed: int, dp_rank: int, num_microbatches: int) -> None:
+        self.seed, self.dp_rank, self.n = seed, dp_rank, num_microbatches
+        self.step = 0
+        self._calls: dict[int, int] = {}  # stage id -> forwards this step
+        self._current = 0
+        self.paused = False  # set while the pipeline infers shapes with an extra forward (train.py)
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+        self._calls.clear()
+
+    def attach(self, stage: torch.nn.Module, layers: list[tuple[str, torch.nn.Module]]) -> None:
+        def on_stage(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.paused:
+                return
+            j = self._calls.get(id(module), 0)
+            self._calls[id(module)] = j + 1
+            self._current = self.dp_rank * self.n + j % self.n
+
+        stage.register_forward_pre_hook(on_stage, with_kwargs=True)
+        for fqn, layer in layers:
+            layer.register_forward_pre_hook(lambda _m, _a, fqn=fqn: self._seed(fqn))
+
+    def _seed(self, fqn: str) -> None:
+        key = f"{self.seed}/{self.step}/{self._current}/{fqn}".encode()
+        torch.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))

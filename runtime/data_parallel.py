@@ -15,6 +15,13 @@ Which wrapper (each rule is a trap seen with torch 2.13, see issue 6):
   (ZeRO-2-like: gradients and optimizer state sharded). zero 0 with tp > 1 uses the same.
 - Under pp > 1, reshard_after_forward=False always: with a zero-bubble schedule the default True gives silently
   wrong gradients, and with 1F1B it would re-gather parameters for every micro-batch.
+
+Dtypes (Megatron / torchtitan): with a bf16 compute dtype (the default on CUDA) every wrapper is FSDP2-based with
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the parameters FSDP2 holds (sharded, or whole under
+replicate()) are the fp32 master weights the optimizer steps; forward and backward run on a bf16 copy gathered
+per layer group; gradients are reduced (and kept) in fp32. So under bf16, zero 0 with pp == 1 and tp == 1 uses
+replicate() instead of DDP (DDP has no such policy), and dp == 1 uses fully_shard over the one-rank dp mesh (no
+communication: only the bf16 cast). With fp32 compute (CPU runs) the wrappers are as above, without a policy.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -38,33 +46,51 @@ class DataParallelChoice:
     reshard_after_forward: bool
 
 
-def choose_data_parallel(layout: Layout, schedule: str) -> DataParallelChoice:
-    """The dp wrapper for a layout and pipeline schedule name (see module doc for the reasons)."""
+def choose_data_parallel(
+    layout: Layout, schedule: str, compute_dtype: torch.dtype = torch.float32
+) -> DataParallelChoice:
+    """The dp wrapper for a layout, pipeline schedule name and compute dtype (see module doc for the reasons)."""
+    mixed = compute_dtype != torch.float32
     if layout.dp == 1:
-        return DataParallelChoice("none", False)
+        return DataParallelChoice("fsdp" if mixed else "none", False)
     zero_bubble = schedule in ZERO_BUBBLE_SCHEDULES
     if layout.tp == 1 and layout.zero == 0 and not zero_bubble:
-        return DataParallelChoice("ddp" if layout.pp == 1 else "replicate", False)
+        return DataParallelChoice("ddp" if layout.pp == 1 and not mixed else "replicate", False)
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 
 
+def mixed_precision(compute_dtype: torch.dtype) -> Any:
+    """FSDP2's policy for a compute dtype: bf16 (or fp16) parameters in forward/backward, fp32 reduction."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
 def apply_data_parallel(
-    stage: nn.Module, layer_modules: list[nn.Module], choice: DataParallelChoice, dp_mesh: DeviceMesh
+    stage: nn.Module,
+    layer_modules: list[nn.Module],
+    choice: DataParallelChoice,
+    dp_mesh: DeviceMesh,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """Wrap one stage; returns the module to run (the DDP wrapper, or the stage itself made an FSDPModule)."""
+    """Wrap one stage; returns the module to run (the DDP wrapper, or the stage itself made an FSDPModule). FSDP2
+    and replicate() work on meta parameters (materialised afterwards); DDP needs them materialised first."""
     if choice.wrapper == "none":
         return stage
     if choice.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(stage, process_group=dp_mesh.get_group())
+    mp = mixed_precision(compute_dtype)
     if choice.wrapper == "replicate":
         try:
             from torch.distributed._composable.replicate_with_fsdp import replicate
         except ImportError:  # a torch without it: FSDP2 without resharding computes the same gradients
             choice = DataParallelChoice("fsdp", False)
         else:
-            replicate(stage, mesh=dp_mesh)
+            replicate(stage, mesh=dp_mesh, mp_policy=mp)
             return stage
     from torch.distributed.fsdp import fully_shard
 
@@ -72,8 +98,8 @@ def apply_data_parallel(
     for module in layer_modules:
         params = list(module.parameters())
         if params and not any(id(p) in shared for p in params):
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
     return stage
 
 

@@ -8,12 +8,19 @@ unmodified eager model at layer boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import hashlib
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import ModelSpec, instantiate, load_model_spec
 from mlm.planner.capture.training_step import TrainingModule, first_embedding_vocab
@@ -57,10 +64,11 @@ def plan_layers(plan: Plan) -> list[str]:
 
 
 def build_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-    """The whole model with deterministic initial weights: the same seed gives the same weights under any layout
-    because every rank builds the full model the same way and then keeps only its part."""
-    torch.manual_seed(seed)
-    return instantiate(spec, device)
+    """The whole model with the initial weights every layout gets for this seed (the single-process reference):
+    built on meta and materialised whole (see the section on building on meta below)."""
+    mm = build_meta_model(spec, seed)
+    materialize(mm.model, mm, torch.device(device), lambda name: name)
+    return mm.model
 
 
 def token_batch(
@@ -171,4 +179,286 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         out[name] = first.setdefault(id(p), name)
+    return out
+
+
+# ---- building on meta and materialising only what a rank owns ----
+#
+# The model is instantiated once with its parameters on the meta device (buffers stay real: they are small and
+# often computed in __init__, e.g. rotary tables) while a dispatch mode records, per parameter storage, the
+# in-place ops __init__ applied to it (nn.init's uniform_/normal_/zero_/fill_, trunc_normal_'s erfinv_/mul_/add_/
+# clamp_, an Embedding's padding row zero_, HF's _init_weights, nanoGPT's scaled c_proj init). After the stage is
+# cut, tensor-parallelised and FSDP-sharded on meta, each parameter this rank holds is materialised by replaying
+# its ops on a full-size CPU tensor (one parameter at a time) with a generator seeded from (seed, canonical FQN),
+# and only the local shard is kept. The weights therefore depend on the seed and the parameter's name only, never
+# on the layout. A parameter whose ops cannot be replayed (one that reads another meta tensor, e.g. orthogonal_'s
+# copy_ from a QR) takes its value from a full fp32 CPU build instead, with a warning naming it.
+
+
+class _Self:
+    """Stands for the recorded parameter in a recorded op's arguments."""
+
+
+SELF = _Self()
+
+_EMPTY_FACTORIES = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
+_FILL_FACTORIES = {"zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "ones": 1.0, "ones_like": 1.0, "new_ones": 1.0}
+_FULL_FACTORIES = {"full", "full_like", "new_full"}
+
+
+@dataclass(frozen=True)
+class InitOp:
+    """One in-place op on (a view of) a parameter: the view's geometry, the op, its arguments with SELF."""
+
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int]
+    func: Any
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class ParamRecipe:
+    """How to recompute one parameter: a start value (None: zeros) and the in-place ops applied to it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    start: torch.Tensor | None = None
+    ops: list[InitOp] = field(default_factory=list)
+    unreplayable: str | None = None
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _writes_self(func: Any) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class _InitRecorder(TorchDispatchMode):
+    """Records in-place ops on storages born from empty / zeros / ones / full factories (see section doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, ParamRecipe] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if _writes_self(func) and isinstance(args[0], torch.Tensor):
+            recipe = self.live.get(_key(args[0]))
+            if recipe is not None:
+                self._record(recipe, func, args, kwargs)
+            return out
+        for i, arg in enumerate(func._schema.arguments):  # out= variants writing a recorded storage
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+                if isinstance(value, torch.Tensor) and _key(value) in self.live:
+                    self.live[_key(value)].unreplayable = f"written by {name} (out=)"
+        returns = func._schema.returns
+        if isinstance(out, torch.Tensor) and returns and returns[0].alias_info is None:
+            key = _key(out)
+            self.live.pop(key, None)  # a reused storage address
+            shape, stride = tuple(out.shape), tuple(out.stride())
+            if name in _EMPTY_FACTORIES:
+                self.live[key] = ParamRecipe(shape, stride, out.dtype)
+            elif name in _FILL_FACTORIES or name in _FULL_FACTORIES:
+                value = _FILL_FACTORIES.get(name)
+                if value is None:
+                    value = args[1] if len(args) > 1 else kwargs.get("fill_value")
+                recipe = ParamRecipe(shape, stride, out.dtype)
+                recipe.ops.append(InitOp((shape, stride, 0), torch.ops.aten.fill_.Scalar, (SELF, value), {}))
+                self.live[key] = recipe
+        return out
+
+    def _record(self, recipe: ParamRecipe, func: Any, args: tuple, kwargs: dict) -> None:
+        target = args[0]
+        geometry = (tuple(target.shape), tuple(target.stride()), target.storage_offset())
+        rest: list[Any] = [SELF]
+        for a in [*args[1:], *kwargs.values()]:
+            if isinstance(a, torch.Tensor) and (a.is_meta or _key(a) in self.live):
+                recipe.unreplayable = f"{func._schema.name} reads another uninitialised tensor"
+                return
+        for a in args[1:]:
+            rest.append(a.detach().clone() if isinstance(a, torch.Tensor) else a)
+        kw = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        kw.pop("generator", None)
+        recipe.ops.append(InitOp(geometry, func, tuple(rest), kw))
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, ParamRecipe]) -> Iterator[None]:
+    """Every parameter registered while active is replaced by a meta parameter of the same shape (buffers stay
+    real); its recipe so far moves to the meta storage. Like accelerate's init_empty_weights(include_buffers=
+    False)."""
+    original = nn.Module.register_parameter
+    moved: dict[int, tuple[weakref.ref, nn.Parameter]] = {}  # weak: ids of freed parameters are reused
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is None or param.is_meta:
+            return original(module, name, param)
+        seen = moved.get(id(param))
+        if seen is not None and seen[0]() is param:
+            return original(module, name, seen[1])
+        data = param.detach()
+        meta = nn.Parameter(
+            torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta"),
+            requires_grad=param.requires_grad,
+        )
+        meta.__dict__.update(param.__dict__)
+        recipe = recorder.live.pop(_key(data), None) if recorder is not None else None
+        full = data.storage_offset() == 0 and data.untyped_storage().nbytes() == data.numel() * data.element_size()
+        if recipe is None or not full:
+            recipe = ParamRecipe(tuple(data.shape), tuple(data.stride()), data.dtype, start=data.clone())
+        if recorder is not None:
+            recorder.live[_key(meta)] = recipe
+        recipes[id(meta)] = recipe
+        moved[id(param)] = (weakref.ref(param), meta)
+        return original(module, name, meta)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        if recorder is None:
+            yield
+        else:
+            with recorder:
+                yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@dataclass
+class MetaModel:
+    """The model with meta parameters and real buffers, and how to compute each parameter's initial value."""
+
+    model: nn.Module
+    seed: int
+    recipes: dict[str, ParamRecipe]  # by canonical FQN
+    canonical: dict[str, str]
+    fallback: dict[str, torch.Tensor] = field(default_factory=dict)  # values from a full CPU build
+
+    def full_value(self, name: str) -> torch.Tensor:
+        """The full initial value of a parameter (any FQN of it), on CPU in its own dtype."""
+        name = self.canonical.get(name, name)
+        if name in self.fallback:
+            return self.fallback[name]
+        recipe = self.recipes[name]
+        gen = torch.Generator().manual_seed(param_seed(self.seed, name))
+        if recipe.start is not None:
+            value = recipe.start.clone()
+        else:
+            value = torch.empty_strided(recipe.shape, recipe.stride, dtype=recipe.dtype).zero_()
+        with torch.no_grad():
+            for op in recipe.ops:
+                shape, stride, offset = op.geometry
+                target = value.as_strided(shape, stride, offset)
+                args = tuple(target if a is SELF else a for a in op.args)
+                kwargs = dict(op.kwargs)
+                if any(a.name == "generator" for a in op.func._schema.arguments):
+                    kwargs["generator"] = gen
+                op.func(*args, **kwargs)
+        return value
+
+
+def param_seed(seed: int, name: str) -> int:
+    """The generator seed of one parameter: a hash of (seed, canonical FQN), independent of the layout."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _fake_mode_active() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
+
+
+def build_meta_model(spec: ModelSpec, seed: int) -> MetaModel:
+    """Instantiate with parameters on meta, recording their initialisation (see the section doc). Under a
+    FakeTensorMode (the dry run) nothing is recorded: values do not matter there."""
+    recipes: dict[int, ParamRecipe] = {}
+    recorder = None if _fake_mode_active() else _InitRecorder()
+    torch.manual_seed(seed)
+    with _parameters_on_meta(recorder, recipes):
+        model = instantiate(spec, "cpu")
+    canonical = canonical_names(model)
+    by_name: dict[str, ParamRecipe] = {}
+    real: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if canonical[name] != name:
+            continue
+        if not p.is_meta:  # `param.data = tensor` in __init__: the value is known
+            real[name] = p.detach()
+            by_name[name] = ParamRecipe(tuple(p.shape), tuple(p.stride()), p.dtype, start=p.detach().clone())
+            continue
+        by_name[name] = recipes.get(id(p)) or ParamRecipe(tuple(p.shape), tuple(p.stride()), p.dtype)
+    if real:  # make every parameter meta, so materialisation treats them alike
+        for name, value in real.items():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            old = module._parameters[leaf]
+            meta = nn.Parameter(torch.empty_like(value, device="meta"), requires_grad=old.requires_grad)
+            for n2, p2 in list(model.named_parameters(remove_duplicate=False)):
+                if p2 is old:
+                    o2, _, l2 = n2.rpartition(".")
+                    model.get_submodule(o2)._parameters[l2] = meta
+    mm = MetaModel(model, seed, by_name, canonical)
+    bad = {n: r.unreplayable for n, r in by_name.items() if r.unreplayable}
+    if bad and recorder is not None:
+        warnings.warn(
+            "cannot replay the initialisation of "
+            + ", ".join(f"{n} ({why})" for n, why in list(bad.items())[:5])
+            + ": building the whole model on the CPU in fp32 to take their initial values from it",
+            stacklevel=2,
+        )
+        torch.manual_seed(seed)
+        full = instantiate(spec, "cpu")
+        values = dict(full.named_parameters())
+        mm.fallback = {n: values[n].detach().clone() for n in bad}
+        del full, values
+    return mm
+
+
+def materialize(module: nn.Module, mm: MetaModel, device: torch.device, rename: Callable[[str], str]) -> None:
+    """Allocate `module`'s meta parameters on `device` and fill each with its initial value, keeping only this
+    rank's shard of DTensor parameters (TP / FSDP2 placements, sliced locally without communication). Each
+    parameter object is kept (its contents swapped, as to_empty does), so ties and FSDP2's references hold; buffers
+    keep their values and move to `device`. `rename` maps the module's parameter names to the model's FQNs."""
+    fake = _fake_mode_active()
+    with torch.no_grad():
+        for sub in module.modules():
+            for name, b in list(sub._buffers.items()):
+                if b is not None and b.device != device:
+                    sub._buffers[name] = b.to(device)
+        for name, p in module.named_parameters():
+            if p.is_meta:
+                fresh = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                fresh.__dict__.update(p.__dict__)
+                torch.utils.swap_tensors(p, fresh)
+            if fake:
+                continue
+            full = mm.full_value(rename(name))
+            if isinstance(p, DTensor):
+                p.to_local().copy_(local_shard(full, p.device_mesh, p.placements))
+            else:
+                p.copy_(full)
+            del full
+
+
+def local_shard(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's part of `full` under DTensor `placements` on `mesh`, sliced on the CPU without communication
+    (distribute_tensor would first move the whole tensor to the mesh's device). Shard(d) chunks as torch.chunk
+    does; a _StridedShard (FSDP2 over a dimension TP already shards) applies after the mesh dimensions to its
+    right, i.e. FSDP shards the TP shard."""
+    coord = mesh.get_coordinate()
+    strided = [i for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard"]
+    order = [i for i in range(len(placements)) if i not in strided] + strided[::-1]
+    out = full
+    for i in order:
+        p = placements[i]
+        if isinstance(getattr(p, "dim", None), int):  # Shard and _StridedShard
+            chunks = out.chunk(mesh.size(i), dim=p.dim)
+            out = chunks[coord[i]] if coord[i] < len(chunks) else out.narrow(p.dim, 0, 0)
     return out

@@ -1,14 +1,18 @@
-"""Optimizer, learning-rate schedule, tied-weight gradient sync and clipping by the true global gradient norm."""
+"""Optimizer, learning-rate schedule, tied-weight gradient sync, the loss as a token mean, and clipping by the true
+global gradient norm."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ADAMW_BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -96,3 +100,122 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, total_norm: torch.Te
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
+
+
+# ---- the loss as a token mean ----
+#
+# The step's loss is the mean over every loss token of the global batch, as one device computes it, however the
+# batch is split into micro-batches and replicas: each micro-batch's backward runs on its loss *sum*, and after
+# the step's single all-reduce (train.py) the gradients are scaled by dp / (global token count) (the dp wrappers
+# average over replicas). How the runtime learns a micro-batch's token count, in order:
+#   1. loss_fn returns (loss_sum, token_count): used as given;
+#   2. the loss ran exactly one mean-reduced cross-entropy / NLL (the user's loss_fn, or a model that computes its
+#      own loss in forward(idx, targets)): its total weight, i.e. the targets that are not ignore_index (any
+#      ignore_index; masks built inside loss_fn count);
+#   3. otherwise (no such op, or several): the number of targets != -100 (torch's default ignore_index), i.e. the
+#      loss is taken to be a mean over those.
+# The default loss (next-token cross-entropy, ignore_index -100) is case 3, which equals case 2 without a dispatch
+# mode on the hot path.
+
+_NLL_OPS = ("nll_loss_forward", "nll_loss2d_forward")
+
+
+class _NllWeights(TorchDispatchMode):
+    """Records the total weight (non-ignored targets) of every mean-reduced NLL op that runs while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._schema.name.split("::")[-1] in _NLL_OPS:
+            reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+            if reduction == 1:
+                self.weights.append(out[1])
+        return out
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+class LossTokens:
+    """Turns each micro-batch's mean loss into a loss sum and records its token count (see section doc)."""
+
+    def __init__(self) -> None:
+        self.counts: list[torch.Tensor] = []
+        self._mode: _NllWeights | None = None
+        self.paused = False  # set while the pipeline infers shapes with an extra forward (train.py)
+
+    def _sum(self, loss: Any, targets: Any, weights: list[torch.Tensor]) -> torch.Tensor:
+        if isinstance(loss, (tuple, list)) and len(loss) == 2:
+            total, count = loss
+            count = torch.as_tensor(_local(count) if isinstance(count, torch.Tensor) else count)
+        else:
+            total = loss
+            if len(weights) == 1:
+                count = _local(weights[0])
+            elif isinstance(targets, torch.Tensor):
+                count = (targets != -100).sum()
+            else:
+                count = torch.tensor(1.0)
+            total = loss.float() * count.to(loss.device, torch.float32).detach()
+        if not self.paused:
+            self.counts.append(count.detach().float().reshape(()))
+        return total
+
+    def wrap_loss_fn(self, loss_fn: Callable[[Any, Any], Any] | None) -> Callable[[Any, Any], Any] | None:
+        """The user's loss_fn returning the loss sum (None stays None: attach() handles the built-in losses)."""
+        if loss_fn is None:
+            return None
+
+        def summed(output: Any, batch: Any) -> torch.Tensor:
+            with _NllWeights() as mode:
+                loss = loss_fn(output, batch)
+            return self._sum(loss, batch[1] if isinstance(batch, tuple) else None, mode.weights)
+
+        return summed
+
+    def attach(self, training_module: nn.Module, counts_inside_forward: bool) -> None:
+        """Hooks on the last stage's TrainingModule: without a user loss_fn, turn its mean loss into a sum, counting
+        NLL weights over the whole forward when the model computes its own loss (forward(idx, targets))."""
+        if not counts_inside_forward:
+            return
+        from mlm.planner.capture.training_step import takes_targets
+
+        watch = takes_targets(training_module.model)
+
+        def pre(_m: nn.Module, _args: tuple) -> None:
+            if watch:
+                self._mode = _NllWeights()
+                self._mode.__enter__()
+
+        def post(_m: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            weights: list[torch.Tensor] = []
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+                weights, self._mode = self._mode.weights, None
+            return self._sum(out, args[1] if len(args) > 1 else None, weights)
+
+        training_module.register_forward_pre_hook(pre)
+        training_module.register_forward_hook(post)
+
+    def take(self) -> torch.Tensor:
+        """The token count of the micro-batches since the last call (this rank's share; 0 without the loss)."""
+        total = torch.stack(self.counts).sum() if self.counts else torch.zeros(())
+        self.counts.clear()
+        return total
+
+
+def clip_and_scale_grads(params: list[nn.Parameter], max_norm: float, norm: float, scale: float) -> float:
+    """Scale gradients by `scale` (1 / tokens, loss sums -> token mean) and clip by the global norm of the scaled
+    gradients, in one pass; returns that norm."""
+    true_norm = norm * scale
+    coef = scale * min(1.0, max_norm / (true_norm + 1e-6))
+    if coef != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return true_norm

@@ -25,21 +25,30 @@ from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
-from mlm.runtime.data import TokenSource
+from mlm.runtime.data import DropoutSeeds, TokenSource
 from mlm.runtime.data_parallel import apply_data_parallel, apply_recompute, choose_data_parallel
 from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (
     LOSS_LAYER,
-    build_model,
-    canonical_names,
+    build_meta_model,
     load_checked_spec,
+    materialize,
     owner_layer,
     plan_layers,
     record_layer_calls,
     tied_groups,
 )
-from mlm.runtime.optim import TiedCopy, build_optimizer, clip_grads, grad_norm, lr_factor, set_lr, sync_tied_grads
+from mlm.runtime.optim import (
+    LossTokens,
+    TiedCopy,
+    build_optimizer,
+    clip_and_scale_grads,
+    grad_norm,
+    lr_factor,
+    set_lr,
+    sync_tied_grads,
+)
 from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
 from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, sequence_parallel_start
 
@@ -60,6 +69,7 @@ class RunOptions:
     warmup_steps: int | None = None  # default: 10% of the decay horizon, at most 2000
     lr_decay_steps: int | None = None  # default: steps (set it to the full run's length when stopping early)
     skip_nonfinite: bool = False  # drop the update of a step whose loss or gradient is not finite, and count it
+    compute_dtype: str | None = None  # "bf16" / "fp32"; default bf16 on CUDA (unless the plan says fp32), fp32 on CPU
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,8 @@ class Runtime:
     canonical: dict[str, str]
     source: TokenSource
     tp_contexts: Callable[[], contextlib.AbstractContextManager]
+    tokens: LossTokens = field(default_factory=LossTokens)  # loss tokens of this step's micro-batches (optim.py)
+    dropout: DropoutSeeds | None = None  # per-layer, per-micro-batch RNG seeds (data.py)
     start_step: int = 0
     records: list[StepRecord] = field(default_factory=list)
     stop: StopRequest = field(default_factory=StopRequest)  # set by SIGTERM / SIGINT (faults.py)
@@ -152,21 +164,40 @@ def setup(
         return _build_runtime(plan, opts, spec, info, device, calls)
 
 
+def compute_dtype(plan: Plan, opts: RunOptions, device: torch.device) -> torch.dtype:
+    """The forward/backward dtype: bf16 on CUDA (fp32 master weights and reductions, data_parallel.py), fp32 on
+    CPU (exact parity with one process); RunOptions.compute_dtype overrides (the dry run emulates CUDA on CPU)."""
+    name = opts.compute_dtype
+    if name is None:
+        name = "fp32" if device.type != "cuda" or plan.training.dtype == "fp32" else "bf16"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name not in dtypes:
+        raise PlanFileError(f"compute dtype {name!r}: expected one of {', '.join(dtypes)}")
+    return dtypes[name]
+
+
 def _build_runtime(
     plan: Plan, opts: RunOptions, spec: ModelSpec, info: MeshInfo, device: torch.device, calls: dict[str, Any]
 ) -> Runtime:
+    """Meta model -> stages -> TP -> recompute -> FSDP2 (all on meta) -> materialise this rank's shards -> DDP,
+    optimizer, schedule (torchtitan's order; model_build.py says how the weights stay layout-independent)."""
     lay = plan.layout
-    model = build_model(spec, opts.seed, "cpu")
+    meta = build_meta_model(spec, opts.seed)
+    model = meta.model
     check_tp_map(plan.tensor_parallel, model)
-    canonical = canonical_names(model)
+    canonical = meta.canonical
     ties = tied_groups(model)  # before TP / FSDP replace the parameters of this rank's layers
     seq_start = sequence_parallel_start(model, plan.tensor_parallel) if lay.sequence_parallel else None
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else None
+    dtype = compute_dtype(plan, opts, device)
+    tokens = LossTokens()
+    loss_fn = tokens.wrap_loss_fn(spec.loss_fn)
     mine = [i for i, r in enumerate(stage_ranks(plan)) if r == info.pp_rank]
     stages: list[StageModule] = []
     vocab_head = False
     for i in mine:
-        stage = _on_device(build_stage(model, spec.loss_fn, plan, i, calls, device, autocast), device)
+        stage = build_stage(model, loss_fn, plan, i, calls, device)
+        if stage.is_last:
+            tokens.attach(stage.inner, counts_inside_forward=spec.loss_fn is None)
         if lay.tp > 1:
             vocab_head |= apply_tensor_parallel(
                 stage.inner.model, plan.tensor_parallel, info.tp_mesh, lay.sequence_parallel, seq_start
@@ -177,16 +208,23 @@ def _build_runtime(
                     stage.inner.model.get_submodule(fqn), "selective" if lay.recompute == "selective" else "full"
                 )
         stages.append(stage)
-    choice = choose_data_parallel(lay, schedule_name(plan))
-    runners = [
-        apply_data_parallel(st, [st.inner.model.get_submodule(f) for f in st.layers], choice, info.dp_mesh)
-        for st in stages
-    ]
+    choice = choose_data_parallel(lay, schedule_name(plan), dtype)
+    runners: list[nn.Module] = []
+    for st in stages:
+        layers = [st.inner.model.get_submodule(f) for f in st.layers]
+        if choice.wrapper != "ddp":
+            runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
+        materialize(st, meta, device, original_fqn)
+        if choice.wrapper == "ddp":  # DDP broadcasts real parameters when built
+            runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
     tied = _tied_copies(ties, plan, info, stages)
-    del model  # other stages' layers are freed; this rank keeps only its own
+    del model, meta  # other stages' layers are freed; this rank keeps only its own
+    dropout = DropoutSeeds(opts.seed, info.dp_rank, lay.num_microbatches)
+    for st in stages:
+        dropout.attach(st, [(f, st.inner.model.get_submodule(f)) for f in st.layers])
     params = _unique_params(stages)
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
-    schedule = _build_schedule(plan, stages, runners, info, device)
+    schedule = _build_schedule(plan, stages, runners, info, device, (tokens, dropout))
     source = TokenSource(
         vocab=plan.model.vocab_size,
         seq_len=plan.training.seq_len,
@@ -210,6 +248,8 @@ def _build_runtime(
         canonical,
         source,
         partial_contexts(lay.tp > 1, vocab_head, device),
+        tokens,
+        dropout,
     )
     if opts.resume is not None:
         _resume(rt, opts.resume)
@@ -247,14 +287,6 @@ def _device(name: str) -> torch.device:
             raise Infeasible("--device cuda but no CUDA GPU is visible")
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _on_device(module: nn.Module, device: torch.device) -> nn.Module:
-    """module.to(device), skipped when every tensor is already there (fake tensors cannot be swapped in place)."""
-    tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device == device for t in tensors):
-        return module
-    return module.to(device)
 
 
 def _unique_params(stages: list[StageModule]) -> list[nn.Parameter]:
@@ -305,7 +337,12 @@ def _identity_loss(output: torch.Tensor, _target: Any) -> torch.Tensor:
 
 
 def _build_schedule(
-    plan: Plan, stages: list[StageModule], runners: list[nn.Module], info: MeshInfo, device: torch.device
+    plan: Plan,
+    stages: list[StageModule],
+    runners: list[nn.Module],
+    info: MeshInfo,
+    device: torch.device,
+    counters: tuple[Any, ...] = (),
 ) -> Any:
     if plan.layout.pp == 1:
         return None
@@ -315,11 +352,32 @@ def _build_schedule(
     pstages = [
         PipelineStage(r, st.index, len(plan.stages), device, group=info.pp_group) for r, st in zip(runners, stages)
     ]
+    for ps in pstages:
+        _pause_during_shape_inference(ps, counters)
     name = schedule_name(plan)
     if name == "interleaved-1f1b":
-        return ScheduleInterleaved1F1B(pstages, n_microbatches=n, loss_fn=_identity_loss)
+        return ScheduleInterleaved1F1B(pstages, n_microbatches=n, loss_fn=_identity_loss, scale_grads=False)
     cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
-    return cls(pstages[0], n_microbatches=n, loss_fn=_identity_loss)
+    return cls(pstages[0], n_microbatches=n, loss_fn=_identity_loss, scale_grads=False)  # loss sums (optim.py)
+
+
+def _pause_during_shape_inference(stage: Any, counters: tuple[Any, ...]) -> None:
+    """The first step's extra forward that infers a stage's input/output shapes (torch 2.13, on empty tensors)
+    must not count loss tokens nor advance the dropout micro-batch index."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        for c in counters:
+            c.paused = True
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            for c in counters:
+                c.paused = False
+
+    stage._forward_metadata_inference = paused
 
 
 def _resume(rt: Runtime, directory: Path) -> None:
@@ -385,28 +443,32 @@ def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) 
         set_lr(rt.optimizer, opts.lr, factor)
         inputs, targets = rt.source.batch(step, rt.info.dp_rank, lay.dp, rt.device)
         rt.optimizer.zero_grad(set_to_none=True)
+        if rt.dropout is not None:
+            rt.dropout.start_step(step)
         with rt.tp_contexts():
             loss_sum = _forward_backward(rt, inputs, targets)
         if inject is not None and inject.step == step + 1 and inject.rank == dist.get_rank():
             loss_sum = _inject(rt, inject, loss_sum)
         sync_tied_grads(rt.tied)
         exclude = {id(c.param) for c in rt.tied if not c.primary}
-        norm = grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude)
-        loss, stop, nonfinite = _reduce_step(rt, loss_sum, float(norm))
+        raw_norm = float(grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude))
+        loss, tokens, stop, nonfinite = _reduce_step(rt, loss_sum, rt.tokens.take(), raw_norm)
+        scale = lay.dp / tokens  # loss sums -> global token mean; the dp wrappers average over replicas
+        norm = raw_norm * scale
         skipped = False
         if nonfinite:
             if not opts.skip_nonfinite:
-                raise NonFiniteError(_nonfinite_message(rt, step + 1, loss, float(norm)))
+                raise NonFiniteError(_nonfinite_message(rt, step + 1, loss, norm))
             rt.optimizer.zero_grad(set_to_none=True)  # drop this step's update; parameters stay finite
             rt.skipped.append(step + 1)
             skipped = True
         else:
-            clip_grads(rt.params, opts.max_grad_norm, norm)
+            clip_and_scale_grads(rt.params, opts.max_grad_norm, raw_norm, scale)
             rt.optimizer.step()
         if rt.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        record = _record(rt, step, loss, float(norm), opts.lr * factor, elapsed, flops, skipped)
+        record = _record(rt, step, loss, norm, opts.lr * factor, elapsed, flops, skipped)
         rt.records.append(record)
         if on_step is not None:
             on_step(record)
@@ -459,8 +521,8 @@ def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) 
     total = torch.zeros((), device=rt.device)
     for i, (inp, tgt) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
         with _grad_sync(runner, last=i == n - 1):
-            loss = runner(inputs=inp, targets=tgt).reshape(())
-            (loss / n).backward()
+            loss = runner(inputs=inp, targets=tgt).reshape(())  # the micro-batch's loss sum (optim.py)
+            loss.backward()
         total = total + _plain(loss).detach()
     return total
 
@@ -481,19 +543,26 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def _reduce_step(rt: Runtime, loss_sum: torch.Tensor, norm: float) -> tuple[float, bool, bool]:
-    """One all-reduce per step gives every rank the step's mean loss over the global batch, whether any rank was
-    asked to stop (SIGTERM / SIGINT), and whether any rank saw a non-finite loss or gradient norm."""
+def _reduce_step(
+    rt: Runtime, loss_sum: torch.Tensor, tokens: torch.Tensor, norm: float
+) -> tuple[float, float, bool, bool]:
+    """One all-reduce per step gives every rank the step's loss sum and token count over the global batch (so the
+    token-mean loss and the gradient scale), whether any rank was asked to stop (SIGTERM / SIGINT), and whether any
+    rank saw a non-finite loss or gradient norm. Returns (mean loss, tokens, stop, non-finite)."""
     lay, info = rt.plan.layout, rt.info
     holder = info.pp_rank == lay.pp - 1 and info.tp_rank == 0
-    loss = loss_sum.float().reshape(1) if holder else torch.zeros(1, device=rt.device)
+    zero = torch.zeros(1, device=rt.device)
+    loss = _plain(loss_sum).float().reshape(1).to(rt.device) if holder else zero
+    count = tokens.float().reshape(1).to(rt.device) if holder else zero
     loss_bad = not bool(torch.isfinite(loss).all())
     flags = [1.0 if rt.stop.requested else 0.0, 1.0 if loss_bad else 0.0, 0.0 if math.isfinite(norm) else 1.0]
-    value = torch.cat([torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0), torch.tensor(flags, device=rt.device)])
+    clean = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0)
+    value = torch.cat([clean, count, torch.tensor(flags, device=rt.device)])
     dist.all_reduce(value)
-    stop, any_loss_bad, any_norm_bad = (float(v) > 0 for v in value[1:])
-    mean = float("nan") if any_loss_bad else float(value[0]) / (lay.dp * lay.num_microbatches)
-    return mean, stop, any_loss_bad or any_norm_bad
+    total = max(float(value[1]), 1.0)
+    stop, any_loss_bad, any_norm_bad = (float(v) > 0 for v in value[2:])
+    mean = float("nan") if any_loss_bad else float(value[0]) / total
+    return mean, total, stop, any_loss_bad or any_norm_bad
 
 
 def step_flops(plan: Plan) -> float:

@@ -1,25 +1,43 @@
-"""Apply the plan's tensor_parallel map to a stage with torch's parallelize_module.
+"""Apply the plan's tensor_parallel map to a stage: Megatron's per-head sharding on local tensors.
 
 Styles (module FQN or fnmatch pattern -> style):
-  colwise   ColwiseParallel, output kept as a DTensor (use_local_output=False)
-  rowwise   RowwiseParallel, local output (Replicate, or Shard(seq) with sequence parallelism)
+  colwise   column-parallel linear (nn.Linear or HF's Conv1D). When the module's output is split into equal
+            chunks (fused q|k|v, gate|up), every chunk is sharded: rank r holds rows r of each chunk
+            (a _StridedShard placement, so the global parameter keeps its layout for checkpoints and gathers)
+  rowwise   row-parallel linear: local input sharded on features, output all-reduced (Replicate) or, with
+            sequence parallelism, reduce-scattered (Shard(seq)); the output is a local tensor
   vocab     nn.Embedding: RowwiseParallel (vocabulary-sharded table, Replicate output);
             nn.Linear head: ColwiseParallel with a vocabulary-sharded DTensor output, consumed by loss_parallel()
   sequence  SequenceParallel (norms / dropout on sequence shards) when the layout has sequence_parallel, else none
   replicate nothing (parameters stay replicated over tp)
 
-Why colwise outputs stay DTensors: user code hard-codes global sizes after projections (nanoGPT's
-`q.view(B, T, self.n_head, C // self.n_head)`, `.split(self.n_embd)`, HF's `view(*shape[:-1], -1, head_dim)`).
-On a DTensor those sizes are global, so the unedited model computes exactly what it computes on one device;
-DTensor's sharding propagation inserts any collective needed. The same goes for SequenceParallel outputs, whose
-global shape keeps `B, T, C = x.size()` right. HF GPT-2's Conv1D (a transposed Linear) gets the same styles with
-the weight sharded along the other dimension; torch's styles accept only nn.Linear / nn.Embedding, which is the one
-thing written by hand here.
+Regions (what runs for attention and MLP blocks). The direct parent P of colwise and rowwise linears (the attention
+or MLP module of a block) is a *region* when its colwise linears all read P's input. P's input is prepared once
+(torchtitan's PrepareModuleInput): a Replicate DTensor, built from the sequence-sharded input with one all-gather
+under sequence parallelism (its backward: one reduce-scatter) or from the replicated input without it (backward: one
+all-reduce of the gradient summed over all readers). The colwise linears return local tensors, so attention runs
+on this rank's heads only, and the rowwise linear reduces. Per block forward: 2 all-reduces, or 2 all-gathers + 2
+reduce-scatters with SP; backward the same (planner/cost/tp_collectives.py prices exactly this).
+
+User code reshapes with its own attributes (nanoGPT's `self.n_head`, `self.n_embd`, HF's `self.split_size`) and
+with its input's width (`B, T, C = x.size()`). Which integer attributes of P take per-rank values, and whether P
+must see an input of per-rank width (a view of the input that only shape queries may read; the colwise linears get
+the real one), is found by running P under fake tensors: once unsharded (recording the heads each attention call
+sees and how colwise outputs are split) and then for each candidate setting with per-rank linear outputs, until
+every attention call sees heads/tp heads of the unsharded head size and the output shape is unchanged. No
+consistent setting is a one-line error; so is a tp that does not divide the (key/value) heads.
+
+Linears outside any region (e.g. nanoGPT written with all linears in the block) keep the previous behaviour:
+colwise outputs stay DTensors with global shapes, so unedited user code computes what it computes on one device and
+DTensor inserts the collectives it needs (more than Megatron's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import itertools
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -34,11 +52,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.overrides import TorchFunctionMode
 
-from mlm.planner.errors import PlanFileError
-from mlm.runtime.stages import Boundary, Placeholder
+from mlm.planner.errors import Infeasible, PlanFileError
+from mlm.runtime import stages as _stages
 
 SEQ_DIM = 1  # activations are (batch, seq, hidden)
+CHECK_SEQ = 8  # tokens of the fake input the region check runs on
+_FOREIGN = tuple(getattr(_stages, n) for n in ("Placeholder", "Boundary") if hasattr(_stages, n))
 
 
 def expand_tp_map(tp_map: dict[str, str], module_names: list[str]) -> dict[str, str]:
@@ -68,7 +90,18 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
 
 
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or Conv1D."""
+    w = module.weight
+    return (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
+
+
 def style_for(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+    """The style of a linear outside any region (and of embeddings, heads, norms)."""
     seq = Shard(SEQ_DIM) if sequence_parallel else Replicate()
     if style == "replicate" or (style == "sequence" and not sequence_parallel):
         return None
@@ -95,29 +128,369 @@ def apply_tensor_parallel(
     mesh: DeviceMesh,
     sequence_parallel: bool,
     sequence_start: str | None = None,
+    num_heads: int | None = None,
 ) -> bool:
     """Parallelize the modules of `model` (one stage's copy) in place; returns whether a vocabulary-parallel head
-    is present (then the loss must run under loss_parallel())."""
+    is present (then the loss must run under loss_parallel()). `num_heads` (plan.model.num_heads), when given, is
+    checked against the heads the attention calls see."""
     names = [n for n, _ in model.named_modules() if n]
     concrete = expand_tp_map(tp_map, names)
+    concrete = {n: s for n, s in concrete.items() if not isinstance(model.get_submodule(n), _FOREIGN)}
+    tp = mesh.size()
+    regions = find_regions(model, concrete, tp, num_heads)
+    in_region = {lin: r for r in regions for lin in (*r.colwise, *r.rowwise)}
     ties = _ties(model)
     plan: dict[str, ParallelStyle] = {}
     vocab_head = False
+    seq = Shard(SEQ_DIM) if sequence_parallel else Replicate()
     for name, style_name in concrete.items():
         module = model.get_submodule(name)
-        if isinstance(module, (Placeholder, Boundary)):
-            continue  # a layer of another stage
-        style = style_for(style_name, module, sequence_parallel)
-        if style is not None:
+        region = in_region.get(name)
+        if region is not None and style_name == "colwise":
+            plan[name] = LocalColwise(region.splits.get(name, 1))
+        elif region is not None:
+            plan[name] = LocalRowwise(seq)
+        elif (style := style_for(style_name, module, sequence_parallel)) is not None:
             plan[name] = style
         if style_name == "vocab" and not isinstance(module, nn.Embedding):
             vocab_head = True
     if plan:
         parallelize_module(model, mesh, plan)
+    for region in regions:
+        region.install(model, mesh, seq)
     _retie(model, ties)
     if sequence_parallel and sequence_start is not None:
         _scatter_sequence(model, sequence_start, mesh)
     return vocab_head
+
+
+# ------------------------------------------------------------------------------------------------------ regions
+
+
+@dataclass
+class Region:
+    """An attention or MLP module whose colwise linears all read its input; see the module docstring."""
+
+    fqn: str
+    colwise: list[str]  # FQNs in the model
+    rowwise: list[str]
+    splits: dict[str, int] = field(default_factory=dict)  # colwise FQN -> equal chunks its output is split into
+    attrs: dict[str, int] = field(default_factory=dict)  # attribute -> per-rank value
+    proxy_width: int | None = None  # the module sees an input of this width (shape queries only)
+    heads: tuple[int, ...] = ()  # heads of each attention call's q, k, v, unsharded
+
+    def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement) -> None:
+        module = model.get_submodule(self.fqn)
+        for name, value in self.attrs.items():
+            setattr(module, name, value)
+        state = _RegionInput(mesh, seq, self.proxy_width)
+        module.register_forward_pre_hook(state.prepare, with_kwargs=True)
+        module.register_forward_hook(state.clear)
+        if self.proxy_width is not None:
+            for fqn in self.colwise:
+                model.get_submodule(fqn).register_forward_pre_hook(state.swap, prepend=True)
+
+
+class _RegionInput:
+    """Per-region forward state: the prepared input, and the narrow view handed to the module in proxy mode."""
+
+    def __init__(self, mesh: DeviceMesh, seq: Placement, proxy_width: int | None) -> None:
+        self.mesh, self.seq, self.proxy_width = mesh, seq, proxy_width
+        self.full: DTensor | None = None
+        self.proxy: torch.Tensor | None = None
+
+    def prepare(self, _m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor):
+            raise PlanFileError("tensor parallelism: an attention / MLP module must take its input as a tensor")
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [self.seq], run_check=False)
+        if tuple(x.placements) != (Replicate(),):
+            x = x.redistribute(self.mesh, [Replicate()])
+        if self.proxy_width is None:
+            return (x, *args[1:]), kwargs
+        self.full = x
+        self.proxy = x.to_local().detach().narrow(-1, 0, self.proxy_width)
+        return (self.proxy, *args[1:]), kwargs
+
+    def swap(self, _m: nn.Module, inputs: tuple) -> tuple | None:
+        if inputs and self.proxy is not None and inputs[0] is self.proxy:
+            return (self.full, *inputs[1:])
+        return None
+
+    def clear(self, *_: Any) -> None:
+        self.full = self.proxy = None
+
+
+def find_regions(model: nn.Module, concrete: dict[str, str], tp: int, num_heads: int | None) -> list[Region]:
+    """The regions of the model with their per-rank settings; settings are shared by modules of one shape."""
+    by_parent: dict[str, tuple[list[str], list[str]]] = {}
+    for name, style in concrete.items():
+        if style in ("colwise", "rowwise") and is_linear(model.get_submodule(name)):
+            parent = name.rpartition(".")[0]
+            by_parent.setdefault(parent, ([], []))[0 if style == "colwise" else 1].append(name)
+    regions = []
+    cache: dict[Any, Region | None] = {}
+    for parent, (col, row) in by_parent.items():
+        if not parent or not col or not row or _is_block(model, parent):
+            continue
+        module = model.get_submodule(parent)
+        key = (type(module), _int_attrs(module), tuple(features(model.get_submodule(n)) for n in col + row))
+        if key not in cache:
+            rel = len(parent) + 1
+            cache[key] = settle_region(module, parent, [n[rel:] for n in col], [n[rel:] for n in row], tp)
+        found = cache[key]
+        if found is None:
+            continue
+        if num_heads is not None and found.heads and found.heads[0] != num_heads:
+            raise PlanFileError(
+                f"plan.json: model.num_heads is {num_heads} but {parent} runs attention over {found.heads[0]} heads"
+            )
+        regions.append(
+            Region(
+                parent,
+                col,
+                row,
+                {f"{parent}.{k}": v for k, v in found.splits.items()},
+                found.attrs,
+                found.proxy_width,
+                found.heads,
+            )
+        )
+    return regions
+
+
+def _is_block(model: nn.Module, fqn: str) -> bool:
+    """An element of a ModuleList (a transformer block): its input is the residual, not a norm's output."""
+    parent, _, last = fqn.rpartition(".")
+    return last.isdigit() and isinstance(model.get_submodule(parent) if parent else model, nn.ModuleList)
+
+
+def _int_attrs(module: nn.Module) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted((k, v) for k, v in vars(module).items() if type(v) is int and not k.startswith("_")))
+
+
+# ------------------------------------------------------------------------------------------- the region check
+
+
+class _Recorder(TorchFunctionMode):
+    """Records attention calls (SDPA, 4-D matmuls), splits of colwise outputs, and non-shape reads of a proxy."""
+
+    SHAPE_READS = frozenset(
+        {
+            torch.Tensor.size,
+            torch.Tensor.dim,
+            torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+            torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+        }
+    )
+    SPLITS = frozenset({torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, torch.Tensor.tensor_split})
+    MATMULS = frozenset({torch.Tensor.__matmul__, torch.matmul, torch.Tensor.matmul})
+
+    def __init__(self, proxy: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.attention: list[tuple[int, ...]] = []
+        self.outputs: dict[int, str] = {}  # id of a colwise output -> its linear
+        self.splits: dict[str, list[int]] = {}
+        self.proxy = proxy
+        self.proxy_read = False
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.proxy is not None and func not in self.SHAPE_READS:
+            flat = list(args) + list(kwargs.values())
+            flat += [a for x in flat if isinstance(x, (list, tuple)) for a in x]
+            if any(x is self.proxy for x in flat):
+                self.proxy_read = True
+        out = func(*args, **kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.attention += [tuple(t.shape) for t in args[:3]]
+        elif func in self.MATMULS and all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in args[:2]):
+            self.attention += [tuple(a.shape) for a in args[:2]]
+        elif func in self.SPLITS and args and id(args[0]) in self.outputs and isinstance(out, (list, tuple)):
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if dim in (-1, args[0].dim() - 1):
+                self.splits[self.outputs[id(args[0])]] = [t.shape[-1] for t in out]
+        return out
+
+
+def _stub(module: nn.Module, name: str, out_features: int, rec: dict[str, Any], recorder: _Recorder | None) -> None:
+    def forward(x: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
+        rec.setdefault(name, []).append(x)
+        y = torch.empty(*x.shape[:-1], out_features, device=x.device, dtype=x.dtype)
+        if recorder is not None:
+            recorder.outputs[id(y)] = name
+        return y
+
+    module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+
+
+def _unstub(modules: list[nn.Module]) -> None:
+    for m in modules:
+        m.__dict__.pop("forward", None)
+
+
+def _fake_mode() -> contextlib.AbstractContextManager:
+    from torch._guards import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return contextlib.nullcontext() if active_fake_mode() is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@dataclass
+class _Run:
+    ok: bool
+    inputs: dict[str, list[torch.Tensor]]
+    recorder: _Recorder
+    output: tuple[int, ...] = ()
+    x: torch.Tensor | None = None
+
+
+def _run(module: nn.Module, col: list[str], row: list[str], tp: int, width: int, proxy_width: int | None) -> _Run:
+    """One fake forward of `module` with linears stubbed: per-rank output widths when tp > 1."""
+    mods = [module.get_submodule(n) for n in col + row]
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    inputs: dict[str, list[torch.Tensor]] = {}
+    with _fake_mode(), torch.no_grad():
+        x = torch.empty(1, CHECK_SEQ, width, device=device)
+        arg = x if proxy_width is None else torch.empty(1, CHECK_SEQ, proxy_width, device=device)
+        recorder = _Recorder(arg if proxy_width is not None else None)
+        for n, m in zip(col, mods):
+            _stub(m, n, features(m)[1] // tp, inputs, recorder)
+        for n, m in zip(row, mods[len(col) :]):
+            _stub(m, n, features(m)[1], inputs, None)
+        try:
+            with recorder:
+                out = module(arg)
+        except Exception:  # any failure of the user's code under this setting rules the setting out
+            return _Run(False, inputs, recorder)
+        finally:
+            _unstub(mods)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(out, torch.Tensor):
+        return _Run(False, inputs, recorder)
+    return _Run(True, inputs, recorder, tuple(out.shape), arg)
+
+
+def settle_region(module: nn.Module, fqn: str, col: list[str], row: list[str], tp: int) -> Region | None:
+    """The per-rank setting of one region (attributes relative to `module`), None when it is no region (its
+    colwise linears do not all read its input). Raises a one-line error when no setting runs per head."""
+    width = features(module.get_submodule(col[0]))[0]
+    ref = _run(module, col, row, 1, width, None)
+    if not ref.ok or any(not all(t is ref.x for t in ref.inputs.get(n, [])) or n not in ref.inputs for n in col):
+        return None
+    heads = tuple(s[-3] for s in ref.recorder.attention)
+    for h in dict.fromkeys(heads):
+        if h % tp:
+            kind = "attention heads" if h == heads[0] else "key/value heads (grouped-query attention)"
+            raise Infeasible(f"tp={tp} does not divide the {h} {kind} of {fqn}; pick a tp dividing {h}")
+    splits: dict[str, int] = {}
+    for name, sizes in ref.recorder.splits.items():
+        if len(set(sizes)) > 1:
+            raise PlanFileError(
+                f"tensor parallelism: {fqn}.{name}'s output is split into unequal chunks {sizes}; per-head sharding "
+                f"of such a fused projection is not supported: give it style 'replicate'"
+            )
+        if sizes[0] % tp:
+            raise Infeasible(f"tensor parallelism: tp={tp} does not divide the chunks ({sizes[0]}) of {fqn}.{name}")
+        splits[name] = len(sizes)
+    want = [tuple(d // tp if i == len(s) - 3 else d for i, d in enumerate(s)) for s in ref.recorder.attention]
+    widths = {features(module.get_submodule(n))[1] for n in col} | {features(module.get_submodule(n))[0] for n in row}
+    widths |= {w // splits.get(n, 1) for n in col for w in [features(module.get_submodule(n))[1]]}
+    values = set(heads) | widths | {width}
+    cands = [k for k, v in _int_attrs(module) if v in values and v % tp == 0]
+    original = dict(_int_attrs(module))
+    proxies = [None] + ([width // tp] if width % tp == 0 else [])
+    for proxy in proxies:
+        for k in range(len(cands) + 1):
+            for subset in itertools.combinations(cands, k):
+                attrs = {a: original[a] // tp for a in subset}
+                try:
+                    for a, v in attrs.items():
+                        setattr(module, a, v)
+                    run = _run(module, col, row, tp, width, proxy)
+                finally:
+                    for a in subset:
+                        setattr(module, a, original[a])
+                if _consistent(run, ref, want, col, row, module, tp):
+                    return Region(fqn, col, row, splits, attrs, proxy, heads)
+    raise PlanFileError(
+        f"tensor parallelism: no per-rank setting of {type(module).__name__} {fqn}'s integer attributes "
+        f"({', '.join(cands) or 'none'}) runs it on {heads[0] // tp if heads else '1/tp of its'} heads per rank; "
+        f"give its linears style 'replicate' or compute head counts from tensor shapes"
+    )
+
+
+def _consistent(
+    run: _Run, ref: _Run, want: list[tuple[int, ...]], col: list[str], row: list[str], module: nn.Module, tp: int
+) -> bool:
+    if not run.ok or run.output != ref.output or run.recorder.proxy_read or run.recorder.attention != want:
+        return False
+    if any(len(run.inputs.get(n, [])) != len(ref.inputs.get(n, [])) for n in col + row):
+        return False
+    if any(not all(t is run.x for t in run.inputs[n]) for n in col):
+        return False
+    return all(t.shape[-1] * tp == features(module.get_submodule(n))[0] for n in row for t in run.inputs[n])
+
+
+# ------------------------------------------------------------------------------------------- region styles
+
+
+def _shard_place(dim: int, split_factor: int) -> Placement:
+    return Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
+
+
+class LocalColwise(ParallelStyle):
+    """Column-parallel nn.Linear / Conv1D inside a region: input a Replicate DTensor (prepared by the region),
+    output this rank's local columns; with split_factor k each of the k output chunks is sharded separately."""
+
+    def __init__(self, split_factor: int = 1) -> None:
+        super().__init__()
+        self.split_factor = split_factor
+
+    def _partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        wdim = 1 if is_conv1d(module) else 0
+        w = distribute_tensor(module.weight, mesh, [_shard_place(wdim, self.split_factor)])
+        module.register_parameter("weight", nn.Parameter(w))
+        if getattr(module, "bias", None) is not None:
+            b = distribute_tensor(module.bias, mesh, [_shard_place(0, self.split_factor)])
+            module.register_parameter("bias", nn.Parameter(b))
+
+    @staticmethod
+    def _input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        elif tuple(x.placements) != (Replicate(),):
+            x = x.redistribute(mesh, [Replicate()])
+        return (x, *inputs[1:])
+
+    @staticmethod
+    def _output(_mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+
+
+class LocalRowwise(ParallelStyle):
+    """Row-parallel nn.Linear / Conv1D inside a region: local input sharded on features, local output reduced to
+    `output_layout` (Replicate: all-reduce; Shard(seq): reduce-scatter)."""
+
+    def __init__(self, output_layout: Placement) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if is_conv1d(module):
+            return Conv1DParallel(colwise=False, output_layout=self.output_layout)._apply(module, device_mesh)
+        return RowwiseParallel(output_layouts=self.output_layout)._apply(module, device_mesh)
+
+
+# ---------------------------------------------------------------------------------------------- ties, sequence
 
 
 def _ties(model: nn.Module) -> list[list[str]]:
@@ -194,8 +567,9 @@ def _enclosing_block(model: nn.Module, fqn: str) -> str | None:
 
 
 class Conv1DParallel(ParallelStyle):
-    """Column- or row-wise sharding of HF's Conv1D (weight (in, out)): colwise shards weight dim 1 and bias,
-    rowwise shards weight dim 0. Input and output handling mirror ColwiseParallel / RowwiseParallel."""
+    """Column- or row-wise sharding of HF's Conv1D (weight (in, out)) outside regions, and row-wise inside them:
+    colwise shards weight dim 1 and bias, rowwise shards weight dim 0. Input and output handling mirror
+    ColwiseParallel / RowwiseParallel."""
 
     def __init__(self, colwise: bool, input_layout: Any = None, output_layout: Any = None) -> None:
         super().__init__()

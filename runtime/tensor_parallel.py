@@ -13,11 +13,12 @@ Styles (module FQN or fnmatch pattern -> style):
 
 Regions (what runs for attention and MLP blocks). The direct parent P of colwise and rowwise linears (the attention
 or MLP module of a block) is a *region* when its colwise linears all read P's input. P's input is prepared once
-(torchtitan's PrepareModuleInput): a Replicate DTensor, built from the sequence-sharded input with one all-gather
-under sequence parallelism (its backward: one reduce-scatter) or from the replicated input without it (backward: one
-all-reduce of the gradient summed over all readers). The colwise linears return local tensors, so attention runs
-on this rank's heads only, and the rowwise linear reduces. Per block forward: 2 all-reduces, or 2 all-gathers + 2
-reduce-scatters with SP; backward the same (planner/cost/tp_collectives.py prices exactly this).
+(torchtitan's PrepareModuleInput): a Replicate DTensor (in the autocast dtype when autocast is on), built from the
+sequence-sharded input with one all-gather under sequence parallelism (its backward: one reduce-scatter), or from
+the replicated input without it (backward: one all-reduce of the gradient summed over all readers). The colwise
+linears return local tensors, so attention runs on this rank's heads only; the rowwise linear reduces. Per block
+forward: 2 all-reduces, or 2 all-gathers + 2 reduce-scatters with SP; backward the same (what
+planner/cost/tp_collectives.py counts and the cost model prices).
 
 User code reshapes with its own attributes (nanoGPT's `self.n_head`, `self.n_embd`, HF's `self.split_size`) and
 with its input's width (`B, T, C = x.size()`). Which integer attributes of P take per-rank values, and whether P
@@ -203,6 +204,9 @@ class _RegionInput:
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor):
             raise PlanFileError("tensor parallelism: an attention / MLP module must take its input as a tensor")
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind) and x.is_floating_point():  # gather in the dtype the linears compute in
+            x = x.to(torch.get_autocast_dtype(kind))
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, self.mesh, [self.seq], run_check=False)
         if tuple(x.placements) != (Replicate(),):

@@ -78,7 +78,8 @@ def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
         from mlm.cli.dry_run_output import dry_run_command
         from mlm.runtime.train import RunOptions
 
-        return dry_run_command(plan, RunOptions(steps=1, device="cpu"), False, console, out)
+        opts = RunOptions(steps=1, device="cpu", compute_dtype="fp32" if plan.training.dtype == "fp32" else "bf16")
+        return dry_run_command(plan, opts, False, console, out)
     return 0
 
 

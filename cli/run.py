@@ -132,11 +132,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dry_run(args: argparse.Namespace, console: Console) -> int:
+    import dataclasses
+
     from mlm.cli.dry_run_output import dry_run_command
     from mlm.planner.plan import load_plan
 
     plan = load_plan(args.plan)
-    return dry_run_command(plan, _options(args, "cpu", None), args.json, console, Console())
+    # the program a GPU would run: the plan's compute dtype (bf16 unless it says fp32), not the CPU's fp32
+    dtype = "fp32" if plan.training.dtype == "fp32" else "bf16"
+    opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=dtype)
+    return dry_run_command(plan, opts, args.json, console, Console())
 
 
 def _options(args: argparse.Namespace, device: str, resume: Path | None) -> RunOptions:

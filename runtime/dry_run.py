@@ -160,7 +160,7 @@ def dry_run(
     from mlm.runtime.train import RunOptions, check_plan_runnable
 
     check_plan_runnable(plan)
-    opts = opts or RunOptions(steps=1, device="cpu")
+    opts = opts or RunOptions(steps=1, device="cpu", compute_dtype="fp32" if plan.training.dtype == "fp32" else "bf16")
     ranks = list(pp_ranks if pp_ranks is not None else range(plan.layout.pp))
     workers = workers or max(1, min(4, os.cpu_count() or 1, len(ranks)))
     context = multiprocessing.get_context("spawn")
@@ -175,10 +175,11 @@ def dry_run(
     return [reports[r] for r in ranks]
 
 
-def dry_run_role(plan: Plan, opts: Any, pp_rank: int, spec: ModelSpec | None = None) -> RoleReport:
-    """One role's dry run in this process (which must have no default process group)."""
+def dry_run_role(plan: Plan, opts: Any, pp_rank: int, spec: ModelSpec | None = None, fake: bool = True) -> RoleReport:
+    """One role's dry run in this process (which must have no default process group); fake=False runs the same
+    step on real tensors."""
     spec = spec or load_checked_spec(plan)
-    return _dry_run_role(plan, opts, spec, boundary_specs(spec, plan), pp_rank)
+    return _dry_run_role(plan, opts, spec, boundary_specs(spec, plan), pp_rank, fake)
 
 
 @contextlib.contextmanager
@@ -276,7 +277,7 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 def _dry_run_role(
-    plan: Plan, opts: Any, spec: ModelSpec, bounds: dict[int, list[TensorSpec]], pp_rank: int
+    plan: Plan, opts: Any, spec: ModelSpec, bounds: dict[int, list[TensorSpec]], pp_rank: int, fake: bool = True
 ) -> RoleReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -287,10 +288,12 @@ def _dry_run_role(
     start = time.perf_counter()
     with _fake_world(rank, lay.world_size), _metadata_on_real_tensors():
         info = build_mesh(lay, "cpu")
-        fake = FakeTensorMode(allow_non_fake_inputs=True)
-        rt = setup(plan, opts, spec, mesh=info, tensor_mode=fake)
+        # fake=False: the same step on real tensors (collectives still return at once): how the tests check that the
+        # fake execution allocates what a real one does
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        rt = setup(plan, opts, spec, mesh=info, tensor_mode=mode)
         notes: list[str] = []
-        with fake:
+        with mode:
             _steady_optimizer_state(rt.optimizer)
             tracker = _micro_batch_tracker()
             tracker.track_external(*rt.runners, rt.optimizer)

@@ -1,0 +1,115 @@
+"""`mlm-run --dry-run`: one step of every pipeline rank's role on fake tensors, compared with the plan.
+
+Independent checks: the fake execution allocates what the same step allocates on real tensors (a different
+execution, measured the same way); the JSON document has one entry per pipeline rank with the fields the issue
+names; collective counts are compared with the cost model's (plan.json predicted.collectives_per_rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = ["--model-arg", "n_layer=4", "--model-arg", "n_embd=64", "--model-arg", "n_head=4"]
+TINY += ["--model-arg", "vocab_size=256", "--model-arg", "block_size=64"]
+
+
+def _cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLM_CACHE_DIR": str(cwd / "cache")}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env
+    )
+
+
+def _plan(tmp: Path, name: str, *pins: str) -> Path:
+    out = tmp / f"{name}.json"
+    proc = _cli(
+        "mlm.cli.plan", "gpt2", *TINY, "--seq-len", "32", "--global-batch", "8", *pins, "--out", str(out), cwd=tmp
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("dry")
+    return {
+        "single": _plan(tmp, "single", "--gpus", "1"),
+        "pp2dp2": _plan(tmp, "pp2dp2", "--gpus", "4", "--pp", "2", "--dp", "2", "--tp", "1", "--vpp", "1"),
+        "zero3": _plan(tmp, "zero3", "--gpus", "4", "--dp", "4", "--zero", "3"),
+    }
+
+
+def test_fake_execution_allocates_what_real_tensors_allocate(plans: dict[str, Path]) -> None:
+    """The same step on real and on fake tensors: equal peaks per category (fake tensors carry real sizes)."""
+    code = (
+        "import json, sys\n"
+        "from mlm.planner.plan import load_plan\n"
+        "from mlm.runtime.dry_run import dry_run_role\n"
+        "from mlm.runtime.train import RunOptions\n"
+        "plan = load_plan(sys.argv[1])\n"
+        "r = dry_run_role(plan, RunOptions(steps=1), 0, fake=sys.argv[2] == 'fake')\n"
+        "print(json.dumps({'peak': r.peak_memory_bytes, 'cat': r.memory_by_category}))\n"
+    )
+    results = {}
+    for mode in ("fake", "real"):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(plans["single"]), mode], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    fake, real = results["fake"], results["real"]
+    assert fake["peak"] == pytest.approx(real["peak"], rel=0.02)
+    for name in ("parameters", "gradients", "optimizer"):
+        assert fake["cat"][name] == pytest.approx(real["cat"][name], rel=0.01), name
+
+
+def test_json_document_has_every_pipeline_rank(plans: dict[str, Path], tmp_path: Path) -> None:
+    proc = _cli("mlm.cli.run", str(plans["pp2dp2"]), "--dry-run", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    plan = json.loads(plans["pp2dp2"].read_text())
+    assert [r["stage"] for r in doc["ranks"]] == [[0], [1]]
+    for r in doc["ranks"]:
+        for key in ("rank", "measured_peak_memory_bytes", "predicted_peak_memory_bytes", "memory_by_category"):
+            assert key in r
+        assert r["measured_peak_memory_bytes"] > 0
+        # parameters of the stage are all held (fp32 on this CPU): at least 4 bytes per parameter of the plan's
+        # share of the model, whatever the wrapper adds
+        assert r["memory_by_category"]["parameters"] >= 4 * plan["model"]["num_params"] / 2 * 0.5
+        assert r["collectives"]["send"]["count"] == 2 * plan["layout"]["num_microbatches"] // 2
+        assert set(r["predicted_collectives"]) >= {"send"}
+
+
+def test_zero3_collective_counts_equal_the_cost_models(plans: dict[str, Path], tmp_path: Path) -> None:
+    """FSDP2 all-gathers (forward and backward, per unit and micro-batch) and reduce-scatters (per unit, once per
+    step) as plan.json's predicted collectives count them."""
+    proc = _cli("mlm.cli.run", str(plans["zero3"]), "--dry-run", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rank,) = json.loads(proc.stdout)["ranks"]
+    for op in ("all_gather", "reduce_scatter"):
+        assert rank["collectives"][op]["count"] == rank["predicted_collectives"][op]["count"], op
+
+
+def test_dry_run_refuses_a_process_with_a_process_group() -> None:
+    from mlm.runtime.dry_run import _fake_world
+
+    code = (
+        "import torch.distributed as dist\n"
+        "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+        "from mlm.runtime.dry_run import _fake_world\n"
+        "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)\n"
+        "try:\n"
+        "    with _fake_world(0, 2):\n"
+        "        pass\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    assert _fake_world is not None
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused" in proc.stdout, proc.stderr[-1000:]

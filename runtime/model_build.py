@@ -9,7 +9,10 @@ unmodified eager model at layer boundaries.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
+import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -211,9 +214,10 @@ class InitOp:
     """One in-place op on (a view of) a parameter: the view's geometry, the op, its arguments with SELF."""
 
     geometry: tuple[tuple[int, ...], tuple[int, ...], int]
-    func: Any
+    func: Any  # an aten op, or a torch.nn.init function (recorded whole, see _init_functions_recorded)
     args: tuple
     kwargs: dict
+    takes_generator: bool = False
 
 
 @dataclass
@@ -243,6 +247,7 @@ class _InitRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live: dict[int, ParamRecipe] = {}
+        self.inside_init = 0  # > 0 inside a recorded torch.nn.init call: its own ops are not recorded
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -250,7 +255,7 @@ class _InitRecorder(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if _writes_self(func) and isinstance(args[0], torch.Tensor):
             recipe = self.live.get(_key(args[0]))
-            if recipe is not None:
+            if recipe is not None and not self.inside_init:
                 self._record(recipe, func, args, kwargs)
             return out
         for i, arg in enumerate(func._schema.arguments):  # out= variants writing a recorded storage
@@ -286,7 +291,47 @@ class _InitRecorder(TorchDispatchMode):
             rest.append(a.detach().clone() if isinstance(a, torch.Tensor) else a)
         kw = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         kw.pop("generator", None)
-        recipe.ops.append(InitOp(geometry, func, tuple(rest), kw))
+        takes = any(a.name == "generator" for a in func._schema.arguments) if hasattr(func, "_schema") else True
+        recipe.ops.append(InitOp(geometry, func, tuple(rest), kw, takes))
+
+    def record_init_call(self, fn: Callable[..., Any], tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """A torch.nn.init function on a recorded parameter: recorded as one op (replayed on the real tensor, so
+        data-dependent inits such as trunc_normal_'s rejection sampling or orthogonal_'s QR replay exactly; in
+        torch 2.13 several of them return early on meta tensors) and run on the meta tensor for its checks."""
+        recipe = self.live.get(_key(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if recipe is not None and not self.inside_init:
+            takes = "generator" in inspect.signature(fn).parameters
+            self._record(recipe, fn, (tensor, *args), kwargs)
+            if recipe.ops and recipe.ops[-1].func is fn:
+                recipe.ops[-1] = dataclasses.replace(recipe.ops[-1], takes_generator=takes)
+        self.inside_init += 1
+        try:
+            return fn(tensor, *args, **kwargs)
+        finally:
+            self.inside_init -= 1
+
+
+@contextlib.contextmanager
+def _init_functions_recorded(recorder: _InitRecorder) -> Iterator[None]:
+    """Route the public in-place functions of torch.nn.init (normal_, trunc_normal_, orthogonal_, ...) through
+    the recorder while the model is instantiated. Code that imported one by name before (`from torch.nn.init
+    import trunc_normal_`) bypasses this; its aten ops are still recorded where the function runs on meta."""
+    originals = {
+        name: fn
+        for name, fn in vars(nn.init).items()
+        if name.endswith("_") and not name.startswith("_") and callable(fn)
+    }
+    for name, fn in originals.items():
+        setattr(nn.init, name, functools.partial(_recorded_init, recorder, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(nn.init, name, fn)
+
+
+def _recorded_init(recorder: _InitRecorder, fn: Callable[..., Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    return recorder.record_init_call(fn, tensor, args, kwargs)
 
 
 @contextlib.contextmanager
@@ -324,7 +369,7 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
         if recorder is None:
             yield
         else:
-            with recorder:
+            with recorder, _init_functions_recorded(recorder):
                 yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
@@ -357,7 +402,7 @@ class MetaModel:
                 target = value.as_strided(shape, stride, offset)
                 args = tuple(target if a is SELF else a for a in op.args)
                 kwargs = dict(op.kwargs)
-                if any(a.name == "generator" for a in op.func._schema.arguments):
+                if op.takes_generator:
                     kwargs["generator"] = gen
                 op.func(*args, **kwargs)
         return value
@@ -449,16 +494,28 @@ def materialize(module: nn.Module, mm: MetaModel, device: torch.device, rename: 
 
 def local_shard(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
     """This rank's part of `full` under DTensor `placements` on `mesh`, sliced on the CPU without communication
-    (distribute_tensor would first move the whole tensor to the mesh's device). Shard(d) chunks as torch.chunk
-    does; a _StridedShard (FSDP2 over a dimension TP already shards) applies after the mesh dimensions to its
-    right, i.e. FSDP shards the TP shard."""
+    (distribute_tensor would first move the whole tensor to the mesh's device). Shard(d) takes chunk r of
+    torch.chunk(n); a _StridedShard(d, split_factor=f) with no later mesh dimension sharding d (per-head TP of a
+    fused projection) takes chunks r, r + n, ... of chunk(n * f); one followed by a mesh dimension that shards d
+    too (FSDP2 over a dimension TP already shards) chunks what those later dimensions leave, so it applies last."""
     coord = mesh.get_coordinate()
-    strided = [i for i, p in enumerate(placements) if type(p).__name__ == "_StridedShard"]
-    order = [i for i in range(len(placements)) if i not in strided] + strided[::-1]
+    dims = [getattr(p, "dim", None) for p in placements]
+    strided = [type(p).__name__ == "_StridedShard" for p in placements]
+    later = [isinstance(d, int) and strided[i] and d in dims[i + 1 :] for i, d in enumerate(dims)]
+    order = [i for i in range(len(placements)) if not later[i]] + [
+        i for i in reversed(range(len(placements))) if later[i]
+    ]
     out = full
     for i in order:
-        p = placements[i]
-        if isinstance(getattr(p, "dim", None), int):  # Shard and _StridedShard
-            chunks = out.chunk(mesh.size(i), dim=p.dim)
-            out = chunks[coord[i]] if coord[i] < len(chunks) else out.narrow(p.dim, 0, 0)
+        dim = dims[i]
+        if not isinstance(dim, int):  # Replicate
+            continue
+        n, r = mesh.size(i), coord[i]
+        f = 1 if later[i] else int(getattr(placements[i], "split_factor", 1))
+        parts = out.chunk(n * f, dim=dim)
+        picked = parts[r::n] if f > 1 else parts[r : r + 1]
+        if len(picked) == 1:
+            out = picked[0]
+        else:
+            out = torch.cat(picked, dim=dim) if picked else out.narrow(dim, 0, 0)
     return out

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -93,7 +94,9 @@ class _Core:
     """The core ops of one layer call, and (in backward) their replayed outputs."""
 
     ops: list[_Op] = field(default_factory=list)
-    creator: dict[int, tuple[int, int, torch.dtype, bool]] = field(default_factory=dict)  # storage -> op, out, …
+    # storage key -> (weak reference, op index, output index, dtype, holds scores). The weak reference pins the
+    # StorageImpl's address, so a live storage with the same key is the same storage; expired means it died.
+    creator: dict[int, tuple[StorageWeakRef, int, int, torch.dtype, bool]] = field(default_factory=dict)
     replayed: list[Any] | None = None
     pending: int = 0  # packed references not yet unpacked
 
@@ -101,9 +104,14 @@ class _Core:
         """The view of `t` if it lies on core storage (and whether that storage holds scores), else None."""
         key = _storage_key(t)
         hit = self.creator.get(key) if key is not None else None
-        if hit is None or hit[2] != t.dtype:
+        if hit is None:
             return None
-        op, out, _dtype, score = hit
+        ref, op, out, dtype, score = hit
+        if ref.expired():
+            del self.creator[key]
+            return None
+        if dtype != t.dtype:
+            return None
         return _View(op, out, tuple(t.shape), tuple(t.stride()), t.storage_offset()), score
 
     def pack(self, t: torch.Tensor) -> Any:
@@ -173,7 +181,8 @@ class _CoreRecorder(TorchDispatchMode):
             if key is None or key in in_keys:  # a view or an in-place result: the storage keeps its creator
                 continue
             if is_core:
-                self.core.creator[key] = (len(self.core.ops) - 1, i, t.dtype, score)
+                ref = StorageWeakRef(t.untyped_storage())
+                self.core.creator[key] = (ref, len(self.core.ops) - 1, i, t.dtype, score)
             else:  # new storage of a non-core op (maybe at a freed core storage's address)
                 self.core.creator.pop(key, None)
         return out

@@ -519,8 +519,9 @@ def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) 
         return sum((_plain(x).detach() for x in losses), torch.zeros((), device=rt.device))
     runner = rt.runners[0]
     total = torch.zeros((), device=rt.device)
+    each = rt.plan.layout.zero == 3  # ZeRO-3 keeps only gradient shards: reduce-scatter after every micro-batch
     for i, (inp, tgt) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
-        with _grad_sync(runner, last=i == n - 1):
+        with _grad_sync(runner, last=each or i == n - 1):
             loss = runner(inputs=inp, targets=tgt).reshape(())  # the micro-batch's loss sum (optim.py)
             loss.backward()
         total = total + _plain(loss).detach()

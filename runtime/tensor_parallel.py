@@ -297,7 +297,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, proxy: torch.Tensor | None = None) -> None:
         super().__init__()
         self.attention: list[tuple[int, ...]] = []
-        self.outputs: dict[int, str] = {}  # id of a colwise output -> its linear
+        self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # id of a colwise output -> (its linear, it)
         self.splits: dict[str, list[int]] = {}
         self.proxy = proxy
         self.proxy_read = False
@@ -317,7 +317,7 @@ class _Recorder(TorchFunctionMode):
         elif func in self.SPLITS and args and id(args[0]) in self.outputs and isinstance(out, (list, tuple)):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if dim in (-1, args[0].dim() - 1):
-                self.splits[self.outputs[id(args[0])]] = [t.shape[-1] for t in out]
+                self.splits[self.outputs[id(args[0])][0]] = [t.shape[-1] for t in out]
         return out
 
 
@@ -326,7 +326,7 @@ def _stub(module: nn.Module, name: str, out_features: int, rec: dict[str, Any], 
         rec.setdefault(name, []).append(x)
         y = torch.empty(*x.shape[:-1], out_features, device=x.device, dtype=x.dtype)
         if recorder is not None:
-            recorder.outputs[id(y)] = name
+            recorder.outputs[id(y)] = (name, y)  # kept alive, so its id is not reused
         return y
 
     module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first

@@ -83,7 +83,7 @@ class TokenSource:
 
 class DropoutSeeds:
     """Dropout masks that do not depend on the layout: before each plan layer runs on a micro-batch, the default
-    generators (CPU and CUDA) are seeded from (seed, step, global micro-batch index, layer FQN).
+    generator of the CPU (and of the CUDA device) is seeded from (seed, step, global micro-batch index, layer FQN).
 
     The reference is one device running the same global batch as global_batch / micro_batch micro-batches of the
     plan's micro_batch rows, in order: data-parallel rank r's micro-batch j is global micro-batch r·n + j (n =
@@ -95,8 +95,8 @@ class DropoutSeeds:
     mask (on CUDA, DTensor's offset-based RNG tracker draws disjoint parts of it); dropout on replicated
     activations is one device's mask on every tp rank."""
 
-    def __init__(self, seed: int, dp_rank: int, num_microbatches: int) -> None:
-        self.seed, self.dp_rank, self.n = seed, dp_rank, num_microbatches
+    def __init__(self, seed: int, dp_rank: int, num_microbatches: int, device: torch.device) -> None:
+        self.seed, self.dp_rank, self.n, self.device = seed, dp_rank, num_microbatches, device
         self.step = 0
         self._calls: dict[int, int] = {}  # stage id -> forwards this step
         self._current = 0
@@ -120,4 +120,9 @@ class DropoutSeeds:
 
     def _seed(self, fqn: str) -> None:
         key = f"{self.seed}/{self.step}/{self._current}/{fqn}".encode()
-        torch.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
+        value = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+        # the generators themselves: torch.manual_seed also queues a lazy CUDA seeding with a formatted stack
+        # trace (~20 ms per call on CPU-only torch)
+        torch.default_generator.manual_seed(value)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(value)

@@ -215,7 +215,11 @@ def clip_and_scale_grads(params: list[nn.Parameter], max_norm: float, norm: floa
     true_norm = norm * scale
     coef = scale * min(1.0, max_norm / (true_norm + 1e-6))
     if coef != 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [p.grad for p in params if p.grad is not None]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        if plain:
+            torch._foreach_mul_(plain, coef)  # one kernel launch per device, as clip_grad_norm_ does
+        for g in grads:
+            if isinstance(g, DTensor):
+                g.mul_(coef)
     return true_norm

@@ -219,7 +219,7 @@ def _build_runtime(
             runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
     tied = _tied_copies(ties, plan, info, stages)
     del model, meta  # other stages' layers are freed; this rank keeps only its own
-    dropout = DropoutSeeds(opts.seed, info.dp_rank, lay.num_microbatches)
+    dropout = DropoutSeeds(opts.seed, info.dp_rank, lay.num_microbatches, device)
     for st in stages:
         dropout.attach(st, [(f, st.inner.model.get_submodule(f)) for f in st.layers])
     params = _unique_params(stages)

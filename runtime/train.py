@@ -26,7 +26,7 @@ from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.data import DropoutSeeds, TokenSource
-from mlm.runtime.data_parallel import apply_data_parallel, apply_recompute, choose_data_parallel
+from mlm.runtime.data_parallel import apply_data_parallel, choose_data_parallel
 from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (
@@ -49,6 +49,7 @@ from mlm.runtime.optim import (
     set_lr,
     sync_tied_grads,
 )
+from mlm.runtime.recompute import apply_recompute
 from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
 from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, sequence_parallel_start
 

@@ -615,3 +615,45 @@ def _call_input(fn: Any, mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tup
 
 def _call_output(fn: Any, mod: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     return fn(mod, outputs, mesh)
+
+
+# ------------------------------------------------------------------ strided parameters outside the forward
+
+
+def is_strided(t: torch.Tensor) -> bool:
+    """A DTensor with a _StridedShard placement (per-head shards of a fused projection, or FSDP2 over them)."""
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def gather_full(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor. torch 2.13 gathers (FSDP _StridedShard, TP _StridedShard) wrongly in one full_tensor();
+    replicating the outer mesh dimensions first, one at a time, gives the right value."""
+    if not isinstance(t, DTensor):
+        return t
+    placements = list(t.placements)
+    for i in range(len(placements) - 1):
+        if not isinstance(placements[i], Replicate):
+            placements[i] = Replicate()
+            t = t.redistribute(t.device_mesh, placements)
+    return t.full_tensor()
+
+
+def to_plain_shards(t: DTensor) -> DTensor:
+    """The same global value with every _StridedShard(d) replaced by Shard(d): one contiguous chunk per rank, which
+    torch.distributed.checkpoint can describe (it writes overlapping chunks for _StridedShard). Collective."""
+    plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
+    full = gather_full(t)
+    local = full
+    coord = t.device_mesh.get_coordinate()
+    for i, p in enumerate(plain):
+        if isinstance(p, Shard):
+            local = local.chunk(t.device_mesh.size(i), dim=p.dim)[coord[i]]
+    return DTensor.from_local(local.contiguous(), t.device_mesh, plain, shape=full.shape, stride=full.stride())
+
+
+def copy_from_plain_shards(dst: DTensor, src: DTensor) -> None:
+    """Write `src` (to_plain_shards' layout, e.g. as loaded from a checkpoint) into the strided DTensor `dst`."""
+    from mlm.runtime.model_build import local_shard
+
+    with torch.no_grad():
+        dst.to_local().copy_(local_shard(src.full_tensor(), dst.device_mesh, dst.placements))

@@ -50,6 +50,67 @@ class Activations:
 
 
 @dataclass(frozen=True)
+class ExpertGemm:
+    """One GEMM of one routed expert: (tokens routed to it) x in_features @ in_features x out_features."""
+
+    name: str  # parameter or module that holds the weight ("experts.gate_up_proj", "experts.0.w1")
+    in_features: int
+    out_features: int
+    has_bias: bool = False
+
+
+@dataclass(frozen=True)
+class MoEIR:
+    """A routed mixture-of-experts layer as recognised from the module tree and the graph (moe.py).
+
+    The experts' compute is data dependent (tokens gathered per expert), so it is priced analytically: every token
+    runs `top_k` experts, times `capacity_factor` (an option, default 1.0: perfect balance, no dropped tokens)."""
+
+    module: str  # FQN of the MoE module (the router's and the experts' parent)
+    num_experts: int
+    top_k: int
+    top_k_from: str  # where top_k was read ("the graph's topk op", "attribute gate.top_k", ...)
+    expert_params: int  # parameters of one routed expert
+    expert_gemms: tuple[ExpertGemm, ...]  # one expert's GEMMs, in order
+    router: str  # FQN of the router weight's module (or parameter)
+    router_params: int
+    shared_modules: tuple[str, ...] = ()  # shared experts (run densely on every token, captured in the graph)
+    shared_params: int = 0
+    capacity_factor: float = 1.0
+    tokens: int = 0  # tokens per sample entering the router (rows of the router GEMM)
+    how: str = ""  # the structure it was recognised by (one phrase, for the warning)
+
+    @property
+    def routed_params(self) -> int:
+        return self.num_experts * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token touches in this MoE module: router, top_k experts, shared experts."""
+        return self.router_params + self.top_k * self.expert_params + self.shared_params
+
+    def expert_flops_per_token(self) -> float:
+        """Forward FLOPs of the routed experts per token (2 per multiply-add, top_k experts, capacity factor)."""
+        per_expert = sum(2.0 * g.in_features * g.out_features for g in self.expert_gemms)
+        return self.top_k * self.capacity_factor * per_expert
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """One distinct kind of block: captured once (from `representative`), costed for each of `members`."""
+
+    name: str  # "<container>#<i>", i in order of first appearance
+    container: str  # FQN of the block container
+    representative: str  # FQN of the block that was captured
+    members: tuple[str, ...]  # FQNs of every block of this kind, in order
+    module_type: str
+    params: int  # parameters of one block of this kind
+    attention: tuple[str, ...] = ()  # attention kinds of the captured block
+    moe: bool = False
+    flops_forward: float = 0.0  # forward FLOPs per sample of one block of this kind
+
+
+@dataclass(frozen=True)
 class LayerIR:
     """One layer of the model in execution order (embedding, each block, final norm, head, loss)."""
 
@@ -65,6 +126,9 @@ class LayerIR:
     linears: tuple[LinearOp, ...] = ()
     block_group: str | None = None  # FQN of the repeated container (e.g. "transformer.h") for blocks
     attention: tuple[str, ...] = ()  # kind of each attention op in the layer, in order ("causal", "cross", ...)
+    module_type: str = ""  # class name of the layer's module
+    block_kind: str = ""  # BlockKind.name for blocks ("" for other layers)
+    moe: MoEIR | None = None  # the routed MoE module inside this layer, if any (its experts priced analytically)
     ops: nx.DiGraph | None = field(default=None, compare=False, repr=False, hash=False)
 
     @property
@@ -89,6 +153,27 @@ class ModelIR:
     head_dim: int = 0  # from the attention op's query (0: no attention op found); not always hidden // heads
     attention_kinds: tuple[str, ...] = ()  # distinct kinds in graph order: "causal", "sliding window 4096", ...
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
+    block_kinds: tuple[BlockKind, ...] = ()  # every distinct block, captured once each
+
+    @property
+    def moe_layers(self) -> tuple[LayerIR, ...]:
+        return tuple(layer for layer in self.layers if layer.moe is not None)
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (the largest, if layers differ); 0 for a dense model."""
+        return max((layer.moe.num_experts for layer in self.moe_layers if layer.moe), default=0)
+
+    @property
+    def experts_top_k(self) -> int:
+        """Experts each token runs in an MoE layer (the largest, if layers differ); 0 for a dense model."""
+        return max((layer.moe.top_k for layer in self.moe_layers if layer.moe), default=0)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all of them, less the routed experts it is not sent to (top_k of each)."""
+        idle = sum((m.num_experts - m.top_k) * m.expert_params for layer in self.moe_layers if (m := layer.moe))
+        return self.num_params - idle
 
     @property
     def blocks(self) -> tuple[LayerIR, ...]:

@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import networkx as nx
@@ -29,10 +29,14 @@ import torch
 import torch.fx
 from torch import nn
 
+from mlm.planner.capture import blocks as stacks
 from mlm.planner.capture.attributes import attribute_facts, resolve
+from mlm.planner.capture.blocks import BlockGroup
+from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
-from mlm.planner.capture.graph import Activations, LayerIR, LinearOp, ModelIR
+from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp, ModelIR, MoEIR
 from mlm.planner.capture.loader import ModelSpec, instantiate
+from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch
 from mlm.planner.errors import ModelLoadError, TraceError
@@ -41,23 +45,23 @@ ROOT = "model"  # the user model's path inside TrainingModule
 LOSS_LAYER = "loss"
 
 
-@dataclass(frozen=True)
-class BlockGroup:
-    """The repeated container: its FQN and the names of its children, in order."""
-
-    fqn: str
-    children: tuple[str, ...]
-
-
+DEFAULT_CAPACITY_FACTOR = 1.0  # tokens per routed expert over the perfectly balanced share (an option)
 DEFAULT_SEQ_CAP = 4096  # default --seq-len cap: a first plan at a model's full 32K-131K context is a minutes-long step
 
 
-def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", replicate: bool = True) -> ModelIR:
+def capture(
+    spec: ModelSpec,
+    seq_len: int | None = None,
+    method: str = "auto",
+    replicate: bool = True,
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+) -> ModelIR:
     """Build `spec` without weights and capture it into a ModelIR (costs for one sample of `seq_len` tokens).
 
     Without `seq_len` the length is min(model context, DEFAULT_SEQ_CAP); when that guess does not run and the
     model has a shorter position table, capture retries once at the table's length. Every such choice, and every
-    assumption the capture makes, is one sentence in ModelIR.warnings."""
+    assumption the capture makes, is one sentence in ModelIR.warnings. `capacity_factor` scales the tokens each
+    routed expert of an MoE layer processes (1.0: perfectly balanced routing, no padding or dropped tokens)."""
     start = time.perf_counter()
     model = build_meta(spec)
     num_params = count_params(model)
@@ -66,17 +70,17 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if seq_len is not None:
         seq, seq_note = seq_len, None
-        captured = _capture_model(spec, model, seq, method, replicate)
+        captured = _capture_model(spec, model, seq, method, (replicate, capacity_factor))
     else:
         seq, seq_note = default_seq_len(attrs)
         try:
-            captured = _capture_model(spec, model, seq, method, replicate)
+            captured = _capture_model(spec, model, seq, method, (replicate, capacity_factor))
         except TraceError as e:
             shorter = _position_limit(model, seq, attrs)
             if shorter is None:
                 raise TraceError(f"{e} [at the default seq_len {seq}; pass --seq-len N if fewer fit]") from None
             try:
-                captured = _capture_model(spec, build_meta(spec), shorter, method, replicate)
+                captured = _capture_model(spec, build_meta(spec), shorter, method, (replicate, capacity_factor))
             except TraceError as retry:
                 if str(retry) == str(e):  # the same failure at both lengths: the length is not the cause
                     raise
@@ -88,13 +92,13 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
             seq = shorter
         short = captured[2].short_table
         if short is not None and short[0] < seq:  # runs on meta, would index past the table on a GPU
-            captured = _capture_model(spec, build_meta(spec), short[0], method, replicate)
+            captured = _capture_model(spec, build_meta(spec), short[0], method, (replicate, capacity_factor))
             seq_note = (
                 f"seq_len {short[0]}: the position table of {short[2] or 'the model'} holds {short[0]} positions, "
                 f"fewer than the default {seq} (pass --seq-len to change)"
             )
             seq = short[0]
-    layers, how, found, notes = captured
+    layers, how, found, notes, kinds = captured
     if found.short_table is not None:
         rows, read, where = found.short_table
         notes.append(
@@ -116,6 +120,7 @@ def capture(spec: ModelSpec, seq_len: int | None = None, method: str = "auto", r
         head_dim=facts.head_dim,
         attention_kinds=facts.attention_kinds,
         warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
+        block_kinds=kinds,
     )
 
 
@@ -147,34 +152,199 @@ def _position_limit(model: nn.Module, seq: int, attrs: dict[str, tuple[int, str]
     return max(shorter) if shorter else None
 
 
-def _capture_model(
-    spec: ModelSpec, model: nn.Module, seq: int, method: str, replicate: bool
-) -> tuple[list[LayerIR], str, GraphFacts, list[str]]:
-    """Capture one block and replicate it when the model repeats one; else, or when the cut does not run, the
-    whole model, on a fresh instance (the cut edits the container in place)."""
+Captured = tuple[list[LayerIR], str, GraphFacts, list[str], tuple[BlockKind, ...]]
+
+
+def _capture_model(spec: ModelSpec, model: nn.Module, seq: int, method: str, options: tuple[bool, float]) -> Captured:
+    """Capture the first two blocks of each kind and copy each kind's costs to its other blocks; else (no stack,
+    replicate off, the cut does not run, or two blocks of a kind capture differently) the whole model, on a fresh
+    instance (the cut edits the containers in place)."""
+    replicate, capacity = options
     notes: list[str] = []
-    group = find_block_group(model)
-    if group is not None and replicate and len(group.children) > 1:
-        first = f"{group.fqn}.{group.children[0]}"
+    moe = find_moe(model, capacity)
+    groups = _stacks(model, moe)
+    kept = [g.representatives(stacks.PER_KIND) for g in groups]
+    if replicate and groups and any(len(g.children) > len(k) for g, k in zip(groups, kept)):
         try:
-            layers, how, found = _capture_graph(spec, cut_to_first_block(model, group), group, seq, method)
+            layers, how, found = _capture_graph(
+                spec, stacks.cut_to_representatives(model, groups), groups, seq, method, moe
+            )
         except TraceError as e:  # the cut model does not run (e.g. it indexes blocks by config.n_layer)
             notes.append(
-                f"whole-model fallback: the model cut to {first} did not capture ({_first_line(e)[:200]}); "
-                f"captured all {len(group.children)} blocks of a fresh instance instead"
+                f"whole-model fallback: the model cut to {sum(map(len, kept))} blocks (the first two of each kind) did "
+                f"not capture ({_first_line(e)[:200]}); captured all blocks of a fresh instance instead"
             )
-            model = build_meta(spec)
-            group = find_block_group(model)
         else:
+            mismatch = _kind_mismatch(layers, groups)
+            if mismatch is None:
+                layers, kinds = expand_kinds(layers, groups)
+                notes.extend(_kind_notes(kinds))
+                notes.extend(_moe_notes(layers))
+                total = sum(len(g.children) for g in groups)
+                label = f"{len(kinds)} block kind{'s' if len(kinds) > 1 else ''} captured once each"
+                return layers, how + f" ({label}, replicated x{total})", found, notes, kinds
             notes.append(
-                f"blocks assumed identical: {first} was captured once and its costs copied to all "
-                f"{len(group.children)} children of {group.fqn} (same module type and parameter shapes; behaviour "
-                f"such as sliding-window or dense/MoE differences is not compared)"
+                f"whole-model fallback: {mismatch}, so blocks of one structure do not all behave alike; captured "
+                f"all blocks of a fresh instance"
             )
-            layers = replicate_blocks(layers, group)
-            return layers, how + f" (one block, replicated x{len(group.children)})", found, notes
-    layers, how, found = _capture_graph(spec, model, group, seq, method)
-    return layers, how, found, notes
+        model = build_meta(spec)
+        moe = find_moe(model, capacity)
+        groups = _stacks(model, moe)
+    layers, how, found = _capture_graph(spec, model, groups, seq, method, moe)
+    kinds = _whole_model_kinds(layers, groups)
+    notes.extend(_moe_notes(layers))
+    return layers, how, found, notes, kinds
+
+
+def _stacks(model: nn.Module, moe: dict[str, MoESite]) -> list[BlockGroup]:
+    experts = tuple(m for site in moe.values() for m in site.expert_modules)
+    return stacks.find_block_groups(model, exclude=experts)
+
+
+def _kind_key(layer: LayerIR) -> tuple:
+    """What two blocks of one kind must share once captured."""
+    a = layer.activations
+    m = layer.moe
+    return (
+        layer.params,
+        layer.flops_matmul,
+        layer.flops_attention,
+        layer.flops_elementwise,
+        round(a.total),
+        layer.attention,
+        len(layer.linears),
+        (m.num_experts, m.top_k, m.expert_params) if m else None,
+    )
+
+
+def _kind_mismatch(layers: list[LayerIR], groups: list[BlockGroup]) -> str | None:
+    """The first pair of same-kind blocks whose captured costs differ, in words; None when all agree."""
+    by_name = {layer.name: layer for layer in layers}
+    for g in groups:
+        for kind in dict.fromkeys(g.kinds):
+            pair = [by_name.get(f"{g.fqn}.{c}") for c in g.members(kind)[: stacks.PER_KIND]]
+            if len(pair) == 2 and pair[0] is not None and pair[1] is not None:
+                if _kind_key(pair[0]) != _kind_key(pair[1]):
+                    return f"{pair[0].name} and {pair[1].name} share module structure but captured differently"
+    return None
+
+
+def expand_kinds(layers: list[LayerIR], groups: list[BlockGroup]) -> tuple[list[LayerIR], tuple[BlockKind, ...]]:
+    """Expand each stack's captured blocks into one layer per child, each a renamed copy of its kind's first
+    captured block; returns the layers and the kinds."""
+    out = list(layers)
+    kinds: list[BlockKind] = []
+    for g in groups:
+        captured = {layer.name: layer for layer in out if layer.block_group == g.fqn}
+        reps: dict[int, LayerIR] = {}
+        for kind in dict.fromkeys(g.kinds):
+            first = next((captured[f"{g.fqn}.{c}"] for c in g.members(kind) if f"{g.fqn}.{c}" in captured), None)
+            if first is not None:
+                reps[kind] = first
+        copies = [_renamed(reps[k], f"{g.fqn}.{c}", f"{g.fqn}#{k}") for c, k in zip(g.children, g.kinds) if k in reps]
+        positions = [i for i, layer in enumerate(out) if layer.name in captured]
+        if not positions:
+            continue
+        at = positions[0]
+        out = [layer for i, layer in enumerate(out) if i not in positions]
+        out[at:at] = copies
+        for k, rep in reps.items():
+            kinds.append(_block_kind(g, k, rep))
+    return out, tuple(kinds)
+
+
+def _whole_model_kinds(layers: list[LayerIR], groups: list[BlockGroup]) -> tuple[BlockKind, ...]:
+    """Kinds of a whole-model capture: every block was captured as itself; kinds group them for the report."""
+    by_name = {layer.name: layer for layer in layers}
+    kinds = []
+    for g in groups:
+        for k in dict.fromkeys(g.kinds):
+            rep = next((by_name[f"{g.fqn}.{c}"] for c in g.members(k) if f"{g.fqn}.{c}" in by_name), None)
+            if rep is not None:
+                kinds.append(_block_kind(g, k, rep))
+    names = {f"{k.container}.{c}": k.name for k in kinds for c in k.members}
+    for i, layer in enumerate(layers):
+        if layer.name in names:
+            layers[i] = replace(layer, block_kind=names[layer.name])
+    return tuple(kinds)
+
+
+def _block_kind(g: BlockGroup, k: int, rep: LayerIR) -> BlockKind:
+    return BlockKind(
+        name=f"{g.fqn}#{k}",
+        container=g.fqn,
+        representative=rep.name,
+        members=tuple(f"{g.fqn}.{c}" for c in g.members(k)),
+        module_type=rep.module_type,
+        params=rep.params,
+        attention=rep.attention,
+        moe=rep.moe is not None,
+        flops_forward=rep.flops_forward,
+    )
+
+
+def _renamed(block: LayerIR, name: str, kind: str) -> LayerIR:
+    """A copy of a captured block under another block's FQN (linears and the MoE module renamed with it)."""
+    first = block.name
+
+    def move(fqn: str) -> str:
+        return name + fqn[len(first) :] if fqn == first or fqn.startswith(first + ".") else fqn
+
+    linears = tuple(replace(op, fqn=move(op.fqn)) for op in block.linears)
+    moe = block.moe
+    if moe is not None:
+        moe = replace(
+            moe,
+            module=move(moe.module),
+            router=move(moe.router),
+            shared_modules=tuple(move(m) for m in moe.shared_modules),
+        )
+    return replace(block, name=name, linears=linears, moe=moe, block_kind=kind)
+
+
+def _kind_notes(kinds: tuple[BlockKind, ...]) -> list[str]:
+    notes = []
+    for k in kinds:
+        if len(k.members) < 2:
+            continue
+        checked = f", checked against {k.members[1]}" if len(k.members) > 1 else ""
+        what = ", ".join(k.attention) or "no attention"
+        notes.append(
+            f"blocks of one kind costed from one instance: {len(k.members)} blocks of {k.container} "
+            f"({k.module_type}, {what}, {'MoE' if k.moe else 'dense'}) take the costs of {k.representative}"
+            f"{checked} (same module type, parameter shapes and layer attributes)"
+        )
+    if len(kinds) > 1:
+        listed = "; ".join(f"{k.name}: {len(k.members)} x {k.flops_forward:.3g} FLOP" for k in kinds)
+        notes.append(f"{len(kinds)} kinds of block, each captured and costed as itself ({listed} per sample)")
+    return notes
+
+
+def _moe_notes(layers: list[LayerIR]) -> list[str]:
+    sites: dict[tuple, list[str]] = {}
+    for layer in layers:
+        if layer.moe is not None:
+            m = layer.moe
+            key = (
+                m.how.split(":")[-1].strip(),
+                m.num_experts,
+                m.top_k,
+                m.top_k_from,
+                m.expert_params,
+                m.capacity_factor,
+                m.shared_params,
+            )
+            sites.setdefault(key, []).append(layer.name)
+    notes = []
+    for (how, num, k, k_from, per, cf, shared), names in sites.items():
+        top = f"top-{k} ({k_from})" if k else "top-k not found, 1 assumed (set the model's top_k attribute)"
+        notes.append(
+            f"MoE recognised heuristically in {len(names)} layers ({names[0]}...: {how}, a router of {num} outputs): "
+            f"{num} experts of {per:,} parameters, {top}{f', {shared:,} shared-expert parameters' if shared else ''}; "
+            f"the routed experts are priced analytically from their GEMMs (top_k experts per token) at capacity "
+            f"factor {cf:g} (default 1.0: perfectly balanced routing, no dropped or padded tokens)"
+        )
+    return notes
 
 
 def build_meta(spec: ModelSpec) -> nn.Module:
@@ -207,34 +377,9 @@ def _has_tied_embedding(model: nn.Module) -> bool:
 
 
 def find_block_group(model: nn.Module) -> BlockGroup | None:
-    """The largest nn.ModuleList / nn.Sequential whose children are structurally identical (same type and the
-    same parameter names and shapes)."""
-    best: tuple[int, BlockGroup] | None = None
-    for fqn, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
-            continue
-        children = list(module.named_children())
-        signatures = {_signature(child) for _, child in children}
-        if len(signatures) != 1 or not next(iter(signatures))[1]:
-            continue
-        weight = sum(p.numel() for p in module.parameters())
-        if best is None or weight > best[0]:
-            best = (weight, BlockGroup(fqn, tuple(name for name, _ in children)))
-    return best[1] if best else None
-
-
-def _signature(module: nn.Module) -> tuple[type, tuple[tuple[str, tuple[int, ...]], ...]]:
-    return type(module), tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
-
-
-def cut_to_first_block(model: nn.Module, group: BlockGroup) -> nn.Module:
-    """The same model object with the repeated container holding only its first block (meta: costs nothing)."""
-    container = model.get_submodule(group.fqn)
-    first = group.children[0]
-    for name in group.children[1:]:
-        delattr(container, name)
-    assert list(dict(container.named_children())) == [first]
-    return model
+    """The largest block stack (blocks.find_block_groups lists them all)."""
+    groups = _stacks(model, find_moe(model))
+    return max(groups, key=lambda g: sum(p.numel() for p in model.get_submodule(g.fqn).parameters()), default=None)
 
 
 def _example_batch(spec: ModelSpec, model: nn.Module, seq: int) -> tuple[Any, torch.Tensor]:
@@ -301,7 +446,7 @@ def _forward_hint(model: nn.Module) -> str:
 
 
 def _capture_graph(
-    spec: ModelSpec, model: nn.Module, group: BlockGroup | None, seq: int, method: str
+    spec: ModelSpec, model: nn.Module, groups: list[BlockGroup], seq: int, method: str, moe: dict[str, MoESite]
 ) -> tuple[list[LayerIR], str, GraphFacts]:
     wrapper = TrainingModule(model, spec.loss_fn)
     batch = _example_batch(spec, model, seq)
@@ -309,7 +454,7 @@ def _capture_graph(
     if method in ("auto", "symbolic_trace"):
         try:
             graph, params = _symbolic_trace(wrapper, batch)
-            layers, found = build_layers(graph, params, model, group, seq)
+            layers, found = build_layers(graph, params, model, groups, seq, moe)
             return layers, "symbolic_trace", found
         except Exception as e:  # symbolic_trace fails on most real models; it is only the fast path
             errors.append(f"symbolic_trace: {type(e).__name__}: {_first_line(e)}")
@@ -332,7 +477,7 @@ def _capture_graph(
         **getattr(sig, "inputs_to_lifted_tensor_constants", {}),
     }
     params = {n: names[n.name] for n in graph.nodes if n.op == "placeholder" and n.name in names}
-    layers, found = build_layers(graph, params, model, group, seq)
+    layers, found = build_layers(graph, params, model, groups, seq, moe)
     return layers, "torch.export (non-strict)", found
 
 
@@ -361,44 +506,79 @@ def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tupl
 
 
 def build_layers(
-    graph: torch.fx.Graph, params: dict[torch.fx.Node, str], model: nn.Module, group: BlockGroup | None, seq: int
+    graph: torch.fx.Graph,
+    params: dict[torch.fx.Node, str],
+    model: nn.Module,
+    groups: list[BlockGroup],
+    seq: int,
+    moe: dict[str, MoESite] | None = None,
 ) -> tuple[list[LayerIR], GraphFacts]:
-    """Group graph nodes into layers and sum each layer's costs; read the architecture facts off the same graph."""
+    """Group graph nodes into layers and sum each layer's costs; read the architecture facts off the same graph.
+    The ops of routed experts (moe) are dropped and the experts priced analytically (experts.py)."""
+    moe = moe or {}
     calls = [
         n for n in graph.nodes if n.op in ("call_function", "call_method") and op_name(n) != "_assert_tensor_metadata"
     ]
-    owner = assign_layers(calls, group)
+    owner = assign_layers(calls, groups)
     is_param = set(params)
     costs = {n: classify(n, is_param) for n in calls}
     tags = region_tags(calls, costs, is_param)
     dependent = _input_dependent(graph, is_param)
     order = list(dict.fromkeys(owner[n] for n in calls))
     layer_params = _params_by_layer(model, order)
+    modules = dict(model.named_modules())
+    sites = {fqn: top_k_from_graph(site, calls, f"{ROOT}.{fqn}" if fqn else ROOT) for fqn, site in moe.items()}
+    dropped = _expert_ops(calls, params, sites)
+    inert = is_param | (set(calls) - dependent) | dropped
     layers = []
     for name in order:
-        nodes = [n for n in calls if owner[n] == name]
-        layers.append(
-            _layer_ir(
-                name,
-                nodes,
-                owner,
-                costs,
-                tags,
-                params,
-                is_param | (set(calls) - dependent),
-                layer_params.get(name, 0),
-                group,
-                seq,
-            )
-        )
-    first_block = f"{group.fqn}.{group.children[0]}" if group is not None else None
+        nodes = [n for n in calls if owner[n] == name and n not in dropped]
+        layer = _layer_ir(name, nodes, owner, costs, tags, params, inert, layer_params.get(name, 0), groups, seq)
+        module = modules.get(name)
+        layer = replace(layer, module_type=type(module).__name__ if module is not None else "")
+        for fqn, site in sites.items():
+            if fqn == name or fqn.startswith(name + "."):
+                layer = with_experts(layer, _routed(site, calls, params, seq))
+                break
+        layers.append(layer)
+    first_block = f"{groups[0].fqn}.{groups[0].children[0]}" if groups else None
     found = graph_facts(calls, owner, costs, dependent, is_param, first_block)
     kinds: dict[str, list[str]] = {}
     for site in found.attention:
         kinds.setdefault(site.layer, []).append(site.kind)
     layers = [replace(layer, attention=tuple(kinds.get(layer.name, ()))) for layer in layers]
     read = {_strip_root(name) for node, name in params.items() if any(u in costs for u in node.users)}
+    read |= {p for site in moe.values() for p in site.expert_params}  # priced analytically
     return layers, replace(found, unused_params=unused_parameters(model, read))
+
+
+def _expert_ops(
+    calls: list[torch.fx.Node], params: dict[torch.fx.Node, str], sites: dict[str, MoESite]
+) -> set[torch.fx.Node]:
+    """Ops that compute routed experts: inside an expert module, or reading an expert weight directly."""
+    if not sites:
+        return set()
+    modules = tuple(f"{ROOT}.{m}" for site in sites.values() for m in site.expert_modules)
+    weights = {n for n, name in params.items() if any(_strip_root(name) in s.expert_params for s in sites.values())}
+    out: set[torch.fx.Node] = set()
+    for n in calls:
+        stack = n.meta.get("nn_module_stack") or {}
+        paths = [clean_path(str(path)) for path, _ in stack.values()]
+        if any(p == m or p.startswith(m + ".") for p in paths for m in modules) or any(
+            a in weights for a in _inputs(n)
+        ):
+            out.add(n)
+    return out
+
+
+def _routed(site: MoESite, calls: list[torch.fx.Node], params: dict[torch.fx.Node, str], seq: int) -> MoEIR:
+    """The site's IR with the tokens per sample that enter its router (rows of the router GEMM; else seq)."""
+    router = {n for n, name in params.items() if _strip_root(name) == site.router_param}
+    for n in calls:
+        out = val(n)
+        if out is not None and any(a in router for a in _inputs(n)) and out.shape and out.shape[-1]:
+            return replace(site.ir, tokens=int(out.numel() // out.shape[-1]))
+    return replace(site.ir, tokens=seq)
 
 
 def _input_dependent(graph: torch.fx.Graph, is_param: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -413,12 +593,14 @@ def _input_dependent(graph: torch.fx.Graph, is_param: set[torch.fx.Node]) -> set
     return dependent
 
 
-def assign_layers(calls: list[torch.fx.Node], group: BlockGroup | None) -> dict[torch.fx.Node, str]:
+def assign_layers(calls: list[torch.fx.Node], groups: list[BlockGroup] | BlockGroup | None) -> dict[torch.fx.Node, str]:
     """Layer of each call: the block ('<container>.<i>') it runs in, else the outermost module on its stack that
-    is not an ancestor of the block container; ops at the root join the layer before them (or, before any
+    is not an ancestor of a block container; ops at the root join the layer before them (or, before any
     layer, the one after), and ops after the last module-owned op form the 'loss' layer."""
-    container = group.fqn if group else None
-    direct: dict[torch.fx.Node, str | None] = {n: _layer_of(n, container) for n in calls}
+    if isinstance(groups, BlockGroup):
+        groups = [groups]
+    containers = tuple(g.fqn for g in groups or ())
+    direct: dict[torch.fx.Node, str | None] = {n: _layer_of(n, containers) for n in calls}
     last_owned = max((i for i, n in enumerate(calls) if direct[n] is not None), default=-1)
     owner: dict[torch.fx.Node, str] = {}
     previous: str | None = None
@@ -442,27 +624,24 @@ def assign_layers(calls: list[torch.fx.Node], group: BlockGroup | None) -> dict[
     return owner
 
 
-def _layer_of(node: torch.fx.Node, container: str | None) -> str | None:
+def _layer_of(node: torch.fx.Node, containers: tuple[str, ...]) -> str | None:
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in stack.values():
         fqn = _strip_root(_clean_path(str(path)))
         if not fqn:
             continue
-        if container is not None:
-            if fqn.startswith(container + "."):
-                return container + "." + fqn[len(container) + 1 :].split(".")[0]
-            if container == fqn or container.startswith(fqn + "."):
-                continue
+        inside = next((c for c in containers if fqn.startswith(c + ".")), None)
+        if inside is not None:
+            return inside + "." + fqn[len(inside) + 1 :].split(".")[0]
+        if any(c == fqn or c.startswith(fqn + ".") for c in containers):
+            continue
         return fqn
     return None
 
 
 def _clean_path(path: str) -> str:
     """Normalise stack paths such as "L['self'].model.layers[0]" or "layers.slice(None, 2, None).0"."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\.slice\([^)]*\)", "", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return path.strip(".")
+    return clean_path(path)
 
 
 def _strip_root(path: str) -> str:
@@ -562,7 +741,7 @@ def _layer_ir(
     params: dict[torch.fx.Node, str],
     is_param: set[torch.fx.Node],
     num_params: int,
-    group: BlockGroup | None,
+    groups: list[BlockGroup],
     seq: int,
 ) -> LayerIR:
     flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0}
@@ -603,8 +782,8 @@ def _layer_ir(
         if a not in member and a not in is_param and val(a) is not None and a.op != "get_attr"
     }
     outputs = [n for n in nodes if any(owner.get(u) not in (None, name) for u in n.users)]
-    kind = _layer_kind(name, group, costs, nodes)
-    in_block = group is not None and name.startswith(group.fqn + ".")
+    kind = _layer_kind(name, groups, costs, nodes)
+    group = next((g for g in groups if name.startswith(g.fqn + ".")), None)
     return LayerIR(
         name=name,
         kind=kind,
@@ -621,7 +800,7 @@ def _layer_ir(
         ),
         output_bytes=sum(nbytes(val(o)) for o in outputs),
         linears=tuple(linears),
-        block_group=group.fqn if in_block else None,
+        block_group=group.fqn if group is not None else None,
         ops=_op_graph(nodes, costs, params, is_param),
     )
 
@@ -631,9 +810,9 @@ def _is_score_matrix(t: torch.Tensor | None, seq: int) -> bool:
 
 
 def _layer_kind(
-    name: str, group: BlockGroup | None, costs: dict[torch.fx.Node, OpCost], nodes: list[torch.fx.Node]
+    name: str, groups: list[BlockGroup], costs: dict[torch.fx.Node, OpCost], nodes: list[torch.fx.Node]
 ) -> str:
-    if group is not None and name.startswith(group.fqn + "."):
+    if any(name.startswith(g.fqn + ".") for g in groups):
         return "block"
     if name == LOSS_LAYER:
         return "loss"
@@ -761,21 +940,6 @@ def _compute_sources(
             stack.extend(_inputs(a))
         elif costs[a].kind != "creation":
             yield a
-
-
-def replicate_blocks(layers: list[LayerIR], group: BlockGroup) -> list[LayerIR]:
-    """Expand the single captured block into one layer per child of the container, renaming FQNs."""
-    first = f"{group.fqn}.{group.children[0]}"
-    idx = next(i for i, layer in enumerate(layers) if layer.name == first)
-    block = layers[idx]
-    copies = []
-    for child in group.children:
-        name = f"{group.fqn}.{child}"
-        linears = tuple(
-            replace(op, fqn=name + op.fqn[len(first) :]) if op.fqn.startswith(first) else op for op in block.linears
-        )
-        copies.append(replace(block, name=name, linears=linears))
-    return layers[:idx] + copies + layers[idx + 1 :]
 
 
 def _first_line(e: BaseException) -> str:

@@ -99,7 +99,24 @@ def _measure(rank: int, configs: list[tuple[str, bool]]) -> list[dict[str, Any]]
             phase: {str(op).rsplit(".", 1)[-1]: n for op, n in comm.comm_module_counts[key][phase].items()}
             for phase in ("forward", "backward")
         }
-        out.append(dict(counts=counts, bytes=nbytes.ops, attention=attention.calls))
+        out.append(dict(counts=counts, bytes=nbytes.ops, attention=attention.calls, strided=_strided_round_trip(model)))
+    return out
+
+
+def _strided_round_trip(model: torch.nn.Module) -> list[tuple[str, bool, bool]]:
+    """Per-head (strided) parameters: (name, the plain-shard copy holds the same full value, copying it back
+    restores this rank's shard)."""
+    from mlm.runtime.tensor_parallel import copy_from_plain_shards, gather_full, is_strided, to_plain_shards
+
+    out = []
+    for name, p in model.named_parameters():
+        if is_strided(p):
+            plain = to_plain_shards(p)
+            before = p.to_local().clone()
+            with torch.no_grad():
+                p.to_local().zero_()
+            copy_from_plain_shards(p, plain)
+            out.append((name, torch.equal(plain.full_tensor(), gather_full(p)), torch.equal(p.to_local(), before)))
     return out
 
 
@@ -242,3 +259,11 @@ def test_manual_attention_gets_per_rank_attributes() -> None:
         assert r.attrs == {"n_head": 2, "n_embd": HIDDEN // 2}
         assert r.proxy_width == HIDDEN // 2
         assert r.splits == {f"{r.fqn}.c_attn": 3}
+
+
+def test_strided_parameters_convert_for_checkpoints(measured: dict) -> None:
+    """Strided: the fused c_attn weights of GPT (4 blocks, no biases) and weight + bias of HF GPT-2 (2 blocks)."""
+    for kind, n_fused in (("gpt", 4), ("hf", 2 * 2), ("llama", 0)):
+        strided = measured[kind, False]["strided"]
+        assert len(strided) == n_fused, kind
+        assert all(same and restored for _, same, restored in strided), strided

@@ -37,20 +37,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan
+from mlm.runtime.memory_tracker import StorageTracker
 from mlm.runtime.mesh import MeshInfo, build_mesh
 from mlm.runtime.model_build import TensorSpec, load_checked_spec
 from mlm.runtime.optim import grad_norm, sync_tied_grads
-
-CATEGORIES = ("parameters", "buffers", "gradients", "activations", "temporaries", "optimizer", "other")
-_TRACKER_NAMES = {
-    "Parameter": "parameters",
-    "Buffer": "buffers",
-    "Gradient": "gradients",
-    "Activation": "activations",
-    "Temp": "temporaries",
-    "Optstate": "optimizer",
-    "Other": "other",
-}
 
 
 @dataclass
@@ -84,16 +74,53 @@ class CollectiveCounter(TorchDispatchMode):
         self._ops = set(c10d_collective_ops) | {getattr(funcol_native, n) for n in _FUNCOL_NAMES}
         self._ops |= {getattr(funcol_py, n) for n in _FUNCOL_NAMES if hasattr(funcol_py, n)}
         self.totals: dict[str, CollectiveTotals] = {}
+        self.micro_batch: int | None = None  # set while a pipeline action of this micro-batch runs
+        self.by_micro_batch: dict[int, dict[str, CollectiveTotals]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         packet = getattr(func, "overloadpacket", func)
         if packet in self._ops or func in self._ops:
             name = canonical_collective(str(getattr(packet, "__name__", packet)))
-            entry = self.totals.setdefault(name, CollectiveTotals())
-            entry.count += 1
-            entry.bytes += _payload_bytes(name, args, out)
+            nbytes = _payload_bytes(name, args, out)
+            tables = [self.totals]
+            if self.micro_batch is not None:
+                tables.append(self.by_micro_batch.setdefault(self.micro_batch, {}))
+            for table in tables:
+                entry = table.setdefault(name, CollectiveTotals())
+                entry.count += 1
+                entry.bytes += nbytes
         return out
+
+    def extrapolate(self, executed: int, planned: int) -> None:
+        """Add the collectives of micro-batches planned but not executed, each like micro-batch 1 (neither the
+        first, which may gather parameters, nor the last, which reduces gradients)."""
+        if planned <= executed:
+            return
+        typical = self.by_micro_batch.get(1 if executed >= 3 else 0, {})
+        for name, entry in typical.items():
+            total = self.totals.setdefault(name, CollectiveTotals())
+            total.count += (planned - executed) * entry.count
+            total.bytes += (planned - executed) * entry.bytes
+
+
+def executed_microbatches(layout: Any) -> int:
+    """How many of the plan's micro-batches the dry run executes: enough for the schedule to reach its steady
+    state, so the memory peak (the most micro-batches in flight) is the full schedule's, and at least three, so
+    one typical micro-batch (neither first nor last) is measured for the rest.
+
+    1F1B: rank r has at most pp − r in flight, reached with pp micro-batches. Interleaved 1F1B (torch's
+    ScheduleInterleaved1F1B): rank 0 runs (vpp − 1)·pp + 2·(pp − 1) warm-up forwards of its m·vpp before the first
+    backward; one round past that, rounded up to a multiple of pp as the schedule requires. Without pipelining
+    every micro-batch runs (they are few, and the step code is train.py's own)."""
+    m, pp, vpp = layout.num_microbatches, layout.pp, layout.vpp
+    if pp == 1:
+        return m
+    if vpp == 1:
+        return min(m, max(pp, 3))
+    warmup = (vpp - 1) * pp + 2 * (pp - 1)
+    need = max(3, -(-(warmup + 2) // vpp))
+    return min(m, -(-need // pp) * pp)
 
 
 _FUNCOL_NAMES = (
@@ -175,11 +202,19 @@ def dry_run(
     return [reports[r] for r in ranks]
 
 
-def dry_run_role(plan: Plan, opts: Any, pp_rank: int, spec: ModelSpec | None = None, fake: bool = True) -> RoleReport:
+def dry_run_role(
+    plan: Plan,
+    opts: Any,
+    pp_rank: int,
+    spec: ModelSpec | None = None,
+    fake: bool = True,
+    every_microbatch: bool = False,
+) -> RoleReport:
     """One role's dry run in this process (which must have no default process group); fake=False runs the same
-    step on real tensors."""
+    step on real tensors; every_microbatch runs the whole schedule instead of its steady-state prefix."""
     spec = spec or load_checked_spec(plan)
-    return _dry_run_role(plan, opts, spec, boundary_specs(spec, plan), pp_rank, fake)
+    bounds = boundary_specs(spec, plan, _compute_dtype(plan, opts))
+    return _dry_run_role(plan, opts, spec, bounds, pp_rank, fake, every_microbatch)
 
 
 @contextlib.contextmanager
@@ -277,7 +312,13 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 def _dry_run_role(
-    plan: Plan, opts: Any, spec: ModelSpec, bounds: dict[int, list[TensorSpec]], pp_rank: int, fake: bool = True
+    plan: Plan,
+    opts: Any,
+    spec: ModelSpec,
+    bounds: dict[int, list[TensorSpec]],
+    pp_rank: int,
+    fake: bool = True,
+    every_microbatch: bool = False,
 ) -> RoleReport:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -286,6 +327,16 @@ def _dry_run_role(
     lay = plan.layout
     rank = (pp_rank * lay.dp) * lay.tp  # dp_rank 0, tp_rank 0 of this pipeline rank
     start = time.perf_counter()
+    executed = lay.num_microbatches if every_microbatch else executed_microbatches(lay)
+    planned_plan = plan
+    if executed < lay.num_microbatches:
+        import dataclasses
+
+        plan = dataclasses.replace(
+            plan,
+            layout=dataclasses.replace(lay, num_microbatches=executed),
+            training=dataclasses.replace(plan.training, global_batch=lay.micro_batch * executed * lay.dp),
+        )
     with _fake_world(rank, lay.world_size), _metadata_on_real_tensors():
         info = build_mesh(lay, "cpu")
         # fake=False: the same step on real tensors (collectives still return at once): how the tests check that the
@@ -295,23 +346,27 @@ def _dry_run_role(
         notes: list[str] = []
         with mode:
             _steady_optimizer_state(rt.optimizer)
-            tracker = _micro_batch_tracker()
-            tracker.track_external(*rt.runners, rt.optimizer)
+            tracker = StorageTracker()
+            _track_state(tracker, rt)
             counter = CollectiveCounter()
-            with tracker, counter:
-                _one_step(rt, info, bounds)
-            snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-    by_category = {name: 0.0 for name in CATEGORIES}
-    for key, value in snapshot.items():
-        name = _TRACKER_NAMES.get(getattr(key, "value", str(key)), None)
-        if name is not None:
-            by_category[name] += float(value)
-    peak = float(snapshot.get("Total", sum(by_category.values())))
+            with tracker, counter, _fsdp_gathers_are_parameters(tracker):
+                _one_step(rt, info, bounds, counter, tracker)
+    counter.extrapolate(executed, lay.num_microbatches)
+    if executed < lay.num_microbatches:
+        notes.append(
+            f"executed {executed} of {lay.num_microbatches} micro-batches (the schedule's steady state: same peak); "
+            f"collectives of the others counted as one typical micro-batch's"
+        )
+    plan = planned_plan
+    by_category = dict(tracker.peak_by)
+    peak = tracker.peak
     buffers = pipeline_buffer_bytes(plan, bounds, pp_rank)
     if buffers:
+        # the step allocated receive buffers for the micro-batches in flight; torch's PipelineStage keeps one per
+        # micro-batch for the whole step: those replace them
+        peak += buffers - by_category.get("pipeline_buffers", 0.0)
         by_category["pipeline_buffers"] = buffers
-        peak += buffers
-        notes.append("pipeline receive buffers (one per micro-batch, as torch's PipelineStage allocates) added")
+        notes.append("pipeline receive buffers: one per micro-batch and stage, as torch's PipelineStage allocates")
     collectives = dict(counter.totals)
     for name, totals in pipeline_p2p(plan, bounds, pp_rank).items():
         collectives[name] = totals
@@ -327,30 +382,74 @@ def _dry_run_role(
     )
 
 
-def _micro_batch_tracker() -> Any:
-    """torch's MemTracker, allowing a stage (a root module) to run once per micro-batch: MemTracker refuses a root
-    module's second forward in one tracking session (it takes it for the next iteration). Its per-module statistics
-    restart with each micro-batch; the categories and the peak, which the dry run reads, are global and unchanged."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY as _TOTAL
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _track_state(tracker: StorageTracker, rt: Any) -> None:
+    """Count what exists before the step: this rank's parameters, buffers and optimizer state; gradients are
+    reclassified as they accumulate (a hook per parameter; FSDP2's in its post-backward)."""
+    for stage in rt.stages:
+        for p in stage.parameters():
+            tracker.track(p, "parameters")
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda q: tracker.reclassify(q.grad, "gradients"))
+        for b in stage.buffers():
+            tracker.track(b, "buffers")
+    for state in rt.optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tracker.track(value, "optimizer")
 
-    class MicroBatchMemTracker(MemTracker):
-        def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                name = self._mod_tracker.get_known_fqn(module)
-                if set(self._mod_tracker.parents) - {name} == {"Global"}:
-                    del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # only the global peak: MemTracker also walks every module's statistics on every op (quadratic in
-            # model size: minutes for a 96-layer stage), which the dry run does not read
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL]:
-                    self._peak_mem[dev] = snap[_TOTAL]
-                    self._peak_mem_snap[dev] = dict(snap)
+def _reclassify_gradients(tracker: StorageTracker, rt: Any) -> None:
+    """After a backward: parameters' gradients (and FSDP2's unsharded accumulated ones) count as gradients."""
+    for stage in rt.stages:
+        for module in stage.modules():
+            for p in module.parameters(recurse=False):
+                tracker.reclassify(p.grad, "gradients")
+            state_of = getattr(module, "_get_fsdp_state", None)
+            state = state_of() if callable(state_of) else None
+            for group in getattr(state, "_fsdp_param_groups", None) or ():
+                for fp in group.fsdp_params:
+                    for name in ("unsharded_accumulated_grad", "_unsharded_param"):
+                        value = getattr(fp, name, None)
+                        tracker.reclassify(
+                            getattr(value, "grad", None) if name == "_unsharded_param" else value, "gradients"
+                        )
+                    tracker.reclassify(getattr(fp.sharded_param, "grad", None), "gradients")
 
-    return MicroBatchMemTracker()
+
+@contextlib.contextmanager
+def _fsdp_gathers_are_parameters(tracker: StorageTracker) -> Iterator[None]:
+    """Storages FSDP2 allocates to gather parameters (unshard) count as parameters, as they would on a GPU."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:
+        yield
+        return
+    originals = {name: FSDPParamGroup.__dict__[name] for name in ("unshard", "wait_for_unshard", "post_backward")}
+
+    def gather(fn: Any) -> Any:
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with tracker.category("parameters"):
+                return fn(self, *args, **kwargs)
+
+        return inner
+
+    def reduce(fn: Any) -> Any:
+        def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = fn(self, *args, **kwargs)
+            for fp in self.fsdp_params:  # the gradients this group now holds (accumulated or reduced)
+                tracker.reclassify(getattr(fp, "unsharded_accumulated_grad", None), "gradients")
+                tracker.reclassify(getattr(fp.sharded_param, "grad", None), "gradients")
+            return out
+
+        return inner
+
+    for name, fn in originals.items():
+        setattr(FSDPParamGroup, name, reduce(fn) if name == "post_backward" else gather(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(FSDPParamGroup, name, fn)
 
 
 def _steady_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -367,7 +466,9 @@ def _steady_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             }
 
 
-def _one_step(rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]]) -> None:
+def _one_step(
+    rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]], counter: CollectiveCounter, tracker: StorageTracker
+) -> None:
     """The training step as run_steps (train.py) runs it, without reading any value back."""
     lay = rt.plan.layout
     inputs, targets = rt.source.batch(0, info.dp_rank, lay.dp, rt.device)
@@ -378,11 +479,13 @@ def _one_step(rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]]) -> N
 
             _forward_backward(rt, inputs, targets)
         else:
-            _pipeline_step(rt, info, bounds, inputs, targets)
+            _pipeline_step(rt, info, bounds, inputs, targets, counter, tracker)
+    _reclassify_gradients(tracker, rt)
     sync_tied_grads(rt.tied)
     exclude = {id(c.param) for c in rt.tied if not c.primary}
     grad_norm(rt.params, info.pp_group if lay.pp > 1 else None, exclude)
-    rt.optimizer.step()
+    with tracker.category("temporaries"):  # the states exist already: what the step allocates is transient
+        rt.optimizer.step()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -396,9 +499,16 @@ def _first_layer(plan: Plan, stage: int) -> str:
     return next(x for x in plan.stages[stage].layers if x != "loss")
 
 
-def boundary_specs(spec: ModelSpec, plan: Plan) -> dict[int, list[TensorSpec]]:
+def _compute_dtype(plan: Plan, opts: Any) -> torch.dtype:
+    from mlm.runtime.train import compute_dtype
+
+    return compute_dtype(plan, opts, torch.device("cpu"))
+
+
+def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None) -> dict[int, list[TensorSpec]]:
     """Stage index -> the activations it receives for one micro-batch (the floating tensors with gradients among
-    its first layer's call arguments), from one training step on the meta device."""
+    its first layer's call arguments), from one training step on the meta device; in `dtype` when given (the
+    compute dtype: the meta model runs in fp32, a bf16 stage sends bf16)."""
     from mlm.planner.capture.loader import instantiate
     from mlm.planner.capture.training_step import TrainingModule
     from mlm.runtime.model_build import model_vocab, token_batch
@@ -412,7 +522,7 @@ def boundary_specs(spec: ModelSpec, plan: Plan) -> dict[int, list[TensorSpec]]:
         def pre(_m: Any, args: tuple, kwargs: dict, stage: int = stage) -> None:
             if stage not in found:
                 found[stage] = [
-                    TensorSpec(tuple(x.shape), x.dtype)
+                    TensorSpec(tuple(x.shape), dtype or x.dtype)
                     for x in pytree.tree_leaves((args, kwargs))
                     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
                 ]
@@ -465,7 +575,13 @@ def pipeline_p2p(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_rank: int) 
 
 
 def _pipeline_step(
-    rt: Any, info: MeshInfo, bounds: dict[int, list[TensorSpec]], inputs: torch.Tensor, targets: torch.Tensor
+    rt: Any,
+    info: MeshInfo,
+    bounds: dict[int, list[TensorSpec]],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    counter: CollectiveCounter,
+    tracker: StorageTracker,
 ) -> None:
     """This rank's actions of the schedule's pipeline_order (see module doc)."""
     from torch.distributed.pipelining._backward import stage_backward
@@ -487,15 +603,18 @@ def _pipeline_step(
         kind = action.computation_type.value
         s, mb = action.stage_index, action.microbatch_index
         if kind == "F":
-            received = (
-                tuple(
-                    torch.zeros(spec.shape, dtype=spec.dtype, device=rt.device, requires_grad=True)
-                    for spec in bounds.get(s, [])
+            with tracker.category("pipeline_buffers"):  # PipelineStage's receive buffer for this micro-batch
+                received = (
+                    tuple(
+                        torch.zeros(spec.shape, dtype=spec.dtype, device=rt.device, requires_grad=True)
+                        for spec in bounds.get(s, [])
+                    )
+                    if s > 0
+                    else ()
                 )
-                if s > 0
-                else ()
-            )
+            counter.micro_batch = mb
             out = runners[s](*received, inputs=in_chunks[mb], targets=tgt_chunks[mb])
+            counter.micro_batch = None
             saved[(s, mb)] = (out, received)
         elif kind == "B":
             out, received = saved.pop((s, mb))
@@ -506,9 +625,13 @@ def _pipeline_step(
                 outputs, grads = out.reshape(()), None
             else:
                 outputs = out
-                grads = tuple(torch.zeros_like(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+                with tracker.category("pipeline_buffers"):  # the received gradient of this output
+                    grads = tuple(torch.zeros_like(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            counter.micro_batch = mb
             with _backward_sync(runner, last):
                 stage_backward(outputs, grads, list(received))
+            counter.micro_batch = None
+            _reclassify_gradients(tracker, rt)
         elif kind == "REDUCE_GRAD":
             pstages[s].perform_reduce_grad(n if rt.schedule.scale_grads else 1)
         else:

@@ -3,7 +3,7 @@
 Every rank draws the whole global batch (token ids are small) and keeps its data-parallel rows, so a plan with
 dp = 2 sees exactly the rows that dp = 1 sees, split in two. Sources: synthetic uniform tokens, or a flat binary
 file of token ids (uint16 or uint32, as nanoGPT's prepare.py and Megatron's preprocessors write), sampled at
-random offsets.
+random offsets. Dropout masks are layout-independent the same way (DropoutSeeds, at the end).
 """
 
 from __future__ import annotations

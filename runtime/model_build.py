@@ -1,4 +1,5 @@
-"""Load the plan's model file, check it is the one the plan was made for, and record how its layers are called.
+"""Load the plan's model file, check it is the one the plan was made for, record how its layers are called, and
+build it on meta with only this rank's shards materialised (the section "building on meta" below).
 
 The record comes from one forward of the whole training step on the meta device (no memory, no compute): for
 each layer of the plan, the pytree structure of its first call's arguments (which leaves are activations that

@@ -2,8 +2,8 @@
 (grouped-query attention: 4 heads, 2 kv heads) and HF GPT-2 (Conv1D, fused c_attn):
 
 - per block, CommDebugMode's collective counts in forward and in backward equal planner/cost/tp_collectives.py
-  (2 all-reduces each way; with sequence parallelism 2 all-gathers + 2 reduce-scatters each way), and the bytes
-  of the forward collectives equal its bytes;
+  (2 all-reduces each way; with sequence parallelism 2 all-gathers + 2 reduce-scatters each way; GPT also under
+  full and selective recompute), and the bytes of the forward collectives equal its bytes;
 - every SDPA call gets a local query with num_heads / tp heads and local keys with num_kv_heads / tp heads;
 - tp2 and tp2 + SP train what one process trains under AdamW (3 steps; SGD: test_runtime_parity).
 The region check's errors (tp not dividing the kv heads, head counts no integer attribute holds) are pure tests.
@@ -75,12 +75,12 @@ class _ForwardBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def _measure(rank: int, configs: list[tuple[str, bool]]) -> list[dict[str, Any]]:
+def _measure(rank: int, configs: list[tuple[str, bool, str]]) -> list[dict[str, Any]]:
     from torch.distributed.tensor.debug import CommDebugMode
 
     out = []
-    for kind, sp in configs:
-        plan = _plan(kind, sp, tp=2)
+    for kind, sp, recompute in configs:
+        plan = _plan(kind, sp, tp=2, recompute=recompute)
         rt = setup(plan, RunOptions(steps=1, optimizer="sgd", lr=0.1, seed=0))
         model = rt.stages[0].inner.model
         block = model.get_submodule(BLOCK[kind])
@@ -120,20 +120,21 @@ def _strided_round_trip(model: torch.nn.Module) -> list[tuple[str, bool, bool]]:
     return out
 
 
-CONFIGS = [(k, sp) for k in KINDS for sp in (False, True)]
+CONFIGS = [(k, sp, "none") for k in KINDS for sp in (False, True)]
+CONFIGS += [("gpt", sp, rc) for sp in (False, True) for rc in ("full", "selective")]
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[tuple[str, bool], dict[str, Any]]:
     result = run_workers(2, _measure, CONFIGS)
-    return dict(zip(CONFIGS, result[0]))
+    return {(k, sp) if rc == "none" else (k, sp, rc): m for (k, sp, rc), m in zip(CONFIGS, result[0])}
 
 
-@pytest.mark.parametrize("kind,sp", CONFIGS)
-def test_block_collectives_match_the_cost_model(measured: dict, kind: str, sp: bool) -> None:
-    m = measured[kind, sp]
+@pytest.mark.parametrize("kind,sp,recompute", CONFIGS)
+def test_block_collectives_match_the_cost_model(measured: dict, kind: str, sp: bool, recompute: str) -> None:
+    m = measured[(kind, sp) if recompute == "none" else (kind, sp, recompute)]
     for phase in ("forward", "backward"):
-        want = tp_block_collectives(2, sp, MICRO, SEQ, HIDDEN, dtype_bytes=4, phase=phase)
+        want = tp_block_collectives(2, sp, MICRO, SEQ, HIDDEN, dtype_bytes=4, phase=phase, recompute=recompute)
         assert m["counts"][phase] == {op: n for op, (n, _) in want.items()}, phase
     want = tp_block_collectives(2, sp, MICRO, SEQ, HIDDEN, dtype_bytes=4, phase="forward")
     assert {op: (len(b), sum(b)) for op, b in m["bytes"].items()} == want

@@ -37,6 +37,12 @@ forward + backward, is  c(v, k) = 2 * comm(k) / link  +  (1 - 1/tp) * [3 * flops
 for a replicated op  +  (1 - 1/tp) * 16 * params(v) * memory_weight  for a replicated linear, with ring collectives:
 all-reduce 2 (tp-1)/tp N bytes, all-gather and reduce-scatter (tp-1)/tp N (backward repeats the volume).
 
+What the runtime executes (runtime/tensor_parallel.py) for these styles: a block's attention and MLP modules are
+tensor-parallel regions whose input is gathered once (the shared gather above), colwise linears return this rank's
+columns as local tensors and attention runs on local heads; a colwise linear whose output is split into equal
+chunks (fused q|k|v, gate|up; shard_splits) is sharded per chunk, so "colwise" needs no separate fused style.
+Unequal chunks (fused q|k|v under grouped-query attention) the runtime rejects with one line.
+
 Capture marks the ops that read the block's input (`reads_input`) and those that do not depend on the batch
 (`constant`). For graphs without those marks, which ops read the input is inferred: roots of full activation size,
 ops whose output is larger than all their graph inputs (x * rsqrt(mean(x^2))), and single-input binary ops of

@@ -194,12 +194,14 @@ def test_breakdown_adds_up(gpt3, hw, kw):
 # ---- memory accounting and infeasibility -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("zero,published_gb", [(0, 120.0), (1, 31.4), (3, 1.9)])
+@pytest.mark.parametrize("zero,published_gb", [(0, 120.0 + 15.0), (1, 31.4 + 15.0), (3, 1.9)])
 def test_model_states_match_zero_paper_figure_1(hw, zero, published_gb):
     """Rajbhandari et al. 2020 (ZeRO), Figure 1: 7.5B parameters, 64-way data parallel, K = 12, per-GPU model
-    states 120 GB (baseline), 31.4 GB (P_os), 1.9 GB (P_os+g+p). Evaluated on the megatron-7.5b preset at
-    tp 1 pp 1 dp 64, scaled to exactly 7.5B; ZeRO-3 adds its gather buffers (two bf16 blocks + one bf16 gradient
-    block, planner/cost/memory.py), counted here by hand from the block's parameter count."""
+    states 120 GB (baseline), 31.4 GB (P_os), 1.9 GB (P_os+g+p). The paper keeps fp16 gradients; mlm-run (like
+    Megatron-LM) accumulates them in fp32, 2 more bytes per unsharded parameter (+15 GB at 7.5B); fully sharded the
+    totals agree (16/dp). Evaluated on the megatron-7.5b preset at tp 1 pp 1 dp 64, scaled to exactly 7.5B; ZeRO-3
+    adds its gather buffers (two bf16 blocks + one fp32 gradient block, planner/cost/memory.py), counted here by
+    hand from the block's parameter count."""
     inputs = summarize(capture(load_model_spec("megatron-7.5b")))
     n = inputs.pre.params_sharded + inputs.pre.params_replicated + inputs.post.params_sharded
     n += inputs.post.params_replicated + inputs.num_blocks * (
@@ -207,7 +209,7 @@ def test_model_states_match_zero_paper_figure_1(hw, zero, published_gb):
     )
     layout = Layout(tp=1, pp=1, dp=64, micro_batch=1, num_microbatches=1, recompute="full", zero=zero)
     mem = evaluate(inputs, layout, *hw).rank_memory[0]
-    buffer = 6 * (inputs.block.params_sharded + inputs.block.params_replicated) if zero == 3 else 0.0
+    buffer = 8 * (inputs.block.params_sharded + inputs.block.params_replicated) if zero == 3 else 0.0
     assert (mem.static - buffer) * 7.5e9 / n / 1e9 == pytest.approx(published_gb, abs=0.06)
 
 

@@ -38,14 +38,26 @@ def gpt2():
 
 
 def test_layout_that_fits_only_with_uneven_stages_is_found(llama8b) -> None:
-    """Balanced stages overflow the head's stage (42.9 of 40 GiB); the MILP's (7, 9, 9, 7) fits. The search used to
-    discard the group on the balanced probe and report the model as not fitting."""
+    """On a GPU whose memory lies between the uneven (7, 9, 9, 7) stages' peak and the balanced stages' peak (the
+    head's stage overflows), the search finds a fitting layout with the MILP's uneven stages. It used to discard
+    the group on the balanced probe and report the model as not fitting. The capacity is derived from the cost
+    model, not fixed, so the property holds whatever the memory model's constants."""
+    from mlm.planner.cost.step_time import StageAssignment, evaluate
+
     spec, ir = llama8b
-    req = PlanRequest(num_gpus=4, global_batch=64, tp=1, pp=4)
-    result = search(ir, req, *A100_40)
+    gpu, cluster = A100_40
+    inputs = summarize(ir)
+    layout = Layout(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=64, recompute="full")
+    balanced = evaluate(inputs, layout, gpu, cluster).peak_memory_bytes
+    uneven = evaluate(inputs, layout, gpu, cluster, StageAssignment((7, 9, 9, 7))).peak_memory_bytes
+    assert uneven < balanced  # the premise: the head's stage is the heaviest when stages are even
+    tight = replace(gpu, hbm_gib=(uneven + balanced) / 2 / 2**30)
+    req = PlanRequest(num_gpus=4, global_batch=64, tp=1, pp=4, micro_batch=1, recompute="full")
+    result = search(ir, req, tight, cluster)
     best = result.best
     assert best.evaluation.fits and best.assignment is not None
     assert (best.layout.tp, best.layout.pp) == (1, 4)
+    assert len(set(best.assignment.blocks_per_stage)) > 1  # uneven
     # the plan's stages are the assignment the cost model evaluated
     pairs = stage_layers(ir, best.layout, best.assignment)
     blocks = {layer.name for layer in ir.blocks}
@@ -122,10 +134,21 @@ def test_milp_solution_without_recompute_is_reported_as_none(gpt2) -> None:
 
 def test_full_recompute_is_not_always_the_least_memory_probe() -> None:
     """On a stage with one block and one in-flight micro-batch full recompute keeps the input plus, while
-    recomputing, the block's activations: more than selective. The probe used to reject the whole group."""
+    recomputing, the block's activations: more than selective. The probe used to reject the whole group. The GPU's
+    memory is set between the two peaks as the cost model computes them."""
+    from mlm.planner.cost.step_time import evaluate
+
     ir = capture(load_model_spec("gpt2", args={"n_layer": 2}))
     gpu, cluster = A100_80
-    tight = replace(gpu, hbm_gib=3.901)  # selective peaks at 3.9004 GiB, full at 3.9019 GiB (pp 2, mb 1)
+    inputs = summarize(ir)
+    peaks = {
+        rc: evaluate(
+            inputs, Layout(tp=1, pp=2, dp=1, micro_batch=1, num_microbatches=8, recompute=rc), gpu, cluster
+        ).peak_memory_bytes
+        for rc in ("selective", "full")
+    }
+    assert peaks["selective"] < peaks["full"]  # the premise
+    tight = replace(gpu, hbm_gib=(peaks["selective"] + peaks["full"]) / 2 / 2**30)
     best = search(ir, PlanRequest(num_gpus=2, global_batch=8, tp=1, pp=2, micro_batch=1), tight, cluster).best
     assert best.evaluation.fits and best.layout.recompute in ("none", "selective")
 

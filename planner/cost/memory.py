@@ -1,9 +1,13 @@
 """The per-GPU memory model: model states per ZeRO stage and activations per recompute choice.
 
-Model states (mixed-precision Adam, Rajbhandari et al. 2020 "ZeRO", Sec. 3): bf16 parameters (2 bytes) and
-gradients (2), fp32 master weights and two fp32 moments (12): 16 bytes per parameter. ZeRO-1 (Megatron's
-distributed optimizer) shards the 12 optimizer bytes over dp; ZeRO-3 (FSDP) shards all 16 and adds a gather
-buffer for the unsharded parameters and gradients of the unit in flight.
+Model states, as mlm-run keeps them (docs/semantics.md; measured by `mlm-run --dry-run`): bf16 compute copies of
+the weights (2 bytes), fp32 master weights (4), fp32 gradients (4: FSDP2's reduce dtype, Megatron's main_grad), two
+fp32 Adam moments (8): 18 bytes per parameter without sharding (Megatron-LM's count too). zero 1 (FSDP2 without
+resharding after forward, the closest torch has to Megatron's distributed optimizer) shards the master weights and
+moments over dp and keeps the gathered bf16 weights and the accumulated fp32 gradients whole: 6 + 12/dp, as
+Megatron's distributed optimizer. zero 3 (FSDP2) shards all of it, 16/dp, plus a gather buffer for the unit in
+flight; under pipelining it cannot reshard between micro-batches (runtime/data_parallel.py) and keeps zero 1's
+6 + 12/dp. The ZeRO paper's accounting (fp16 gradients, 16 bytes) is `grad_bytes=2`.
 
 Activations per block and in-flight micro-batch (Korthikanti et al. 2022, Table 2), with the IR's saved tensors:
   none:      sharded/tp + replicated (÷tp with sequence parallelism)          = sbh(10 + 24/t + 5as/(ht)) for GPT
@@ -18,9 +22,11 @@ from dataclasses import dataclass
 
 from mlm.planner.cost.inputs import LayerCost
 
-PARAM_BYTES = 2.0  # bf16 weights
-GRAD_BYTES = 2.0  # bf16 gradients
-OPTIMIZER_BYTES = 12.0  # fp32 master weights + Adam's two fp32 moments
+PARAM_BYTES = 2.0  # bf16 compute copy of the weights
+MASTER_BYTES = 4.0  # fp32 master weights (FSDP2's sharded parameter under MixedPrecisionPolicy)
+GRAD_BYTES = 4.0  # fp32 gradients (FSDP2 reduce_dtype, Megatron main_grad)
+ADAM_BYTES = 8.0  # Adam's two fp32 moments
+OPTIMIZER_BYTES = MASTER_BYTES + ADAM_BYTES  # what ZeRO-1 shards in the ZeRO paper's accounting
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,23 +73,29 @@ def local_params(layer: LayerCost, tp: int) -> float:
     return layer.params_sharded / tp + layer.params_replicated
 
 
-def state_bytes(params: float, zero: int, dp: int) -> MemoryBreakdown:
-    """Parameter, gradient and optimizer bytes of `params` local parameters under ZeRO stage `zero`."""
-    if zero >= 3:
-        return MemoryBreakdown(params * PARAM_BYTES / dp, params * GRAD_BYTES / dp, params * OPTIMIZER_BYTES / dp)
-    optimizer = params * OPTIMIZER_BYTES / (dp if zero >= 1 else 1)
-    return MemoryBreakdown(params * PARAM_BYTES, params * GRAD_BYTES, optimizer)
+def state_bytes(
+    params: float, zero: int, dp: int, pipelined: bool = False, grad_bytes: float = GRAD_BYTES
+) -> MemoryBreakdown:
+    """Parameter, gradient and optimizer bytes of `params` local parameters under ZeRO stage `zero` (module doc);
+    the fp32 master weights count as parameters, as the runtime holds them (the sharded FSDP2 parameter)."""
+    if zero >= 3 and not pipelined:
+        return MemoryBreakdown(params * MASTER_BYTES / dp, params * grad_bytes / dp, params * ADAM_BYTES / dp)
+    if zero >= 1:
+        return MemoryBreakdown(
+            params * (PARAM_BYTES + MASTER_BYTES / dp), params * grad_bytes, params * ADAM_BYTES / dp
+        )
+    return MemoryBreakdown(params * (PARAM_BYTES + MASTER_BYTES), params * grad_bytes, params * ADAM_BYTES)
 
 
-def bytes_per_param(zero: int, dp: int) -> float:
-    """Static bytes per local parameter under `zero`: 16, 4 + 12/dp, or 16/dp."""
-    return state_bytes(1.0, zero, dp).static
+def bytes_per_param(zero: int, dp: int, pipelined: bool = False) -> float:
+    """Static bytes per local parameter under `zero`: 18, 6 + 12/dp, or 16/dp (6 + 12/dp pipelined)."""
+    return state_bytes(1.0, zero, dp, pipelined).static
 
 
-def zero3_buffer_bytes(block: LayerCost, tp: int, zero: int) -> float:
-    """FSDP keeps the gathered bf16 parameters of the current and the prefetched block and the unsharded bf16
-    gradients of one block before they are reduce-scattered."""
-    return 0.0 if zero < 3 else local_params(block, tp) * (2 * PARAM_BYTES + GRAD_BYTES)
+def zero3_buffer_bytes(block: LayerCost, tp: int, zero: int, pipelined: bool = False) -> float:
+    """FSDP keeps the gathered bf16 parameters of the current and the prefetched block and the unsharded fp32
+    gradients of one block before they are reduce-scattered (none of it extra when pipelined: all stay whole)."""
+    return 0.0 if zero < 3 or pipelined else local_params(block, tp) * (2 * PARAM_BYTES + GRAD_BYTES)
 
 
 def activation_bytes(layer: LayerCost, recompute: str, tp: int, sp: bool, micro_batch: int) -> float:

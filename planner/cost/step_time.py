@@ -314,9 +314,9 @@ def evaluate(
     p_block = local_params(inputs.block, tp)
     p_pre = local_params(inputs.pre, tp)
     p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if pp > 1 else 0.0)
-    per = state_bytes(1.0, layout.zero, dp)  # bytes per local parameter: params, grads, optimizer
+    per = state_bytes(1.0, layout.zero, dp, pp > 1)  # bytes per local parameter: params, grads, optimizer
     reserve = cluster.memory_reserve_gib * GIB
-    buffer = zero3_buffer_bytes(inputs.block, tp, layout.zero)
+    buffer = zero3_buffer_bytes(inputs.block, tp, layout.zero, pp > 1)
     working = working_bytes(inputs.block, layout.recompute, tp, sp, mb)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
@@ -554,11 +554,11 @@ def stage_coefficients(
     blk = _layer_times(inputs.block, layout, gpu, tp_link, inputs.seq_len, o)
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, inputs.seq_len, o)
     post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len, o)
-    per_param = state_bytes(1.0, zero, dp).static
+    per_param = state_bytes(1.0, zero, dp, layout.pp > 1).static
     p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if layout.pp > 1 else 0.0)
     fixed = (
         cluster.memory_reserve_gib * GIB
-        + zero3_buffer_bytes(inputs.block, tp, zero)
+        + zero3_buffer_bytes(inputs.block, tp, zero, layout.pp > 1)
         + working_bytes(inputs.block, layout.recompute, tp, sp, mb)
     )
     t_b = blk.forward_s + blk.backward_s + blk.tp_s

@@ -69,10 +69,19 @@ def test_capture_warnings_and_defaults_reach_plan_json(capsys) -> None:
 
 def test_search_warns_when_a_milp_stops_at_its_time_limit() -> None:
     """A stage MILP given no time cannot prove anything: the search says so instead of planning on silently."""
-    ir = capture(load_model_spec("llama3-8b"))  # on 40 GB it fits only with uneven stages: the MILP must run
-    req = PlanRequest(num_gpus=4, global_batch=64, tp=1, pp=4, time_limit_s=0.001)
+    from mlm.planner.cost.step_time import StageAssignment, evaluate, summarize
+    from mlm.planner.layout import Layout
+
+    ir = capture(load_model_spec("llama3-8b"))
+    gpu, cluster = resolve("a100-40gb", "dgx-a100")
+    # a GPU on which only uneven stages fit (capacity between their peak and the balanced one): the MILP must run
+    layout = Layout(tp=1, pp=4, dp=1, micro_batch=1, num_microbatches=64, recompute="full")
+    inputs = summarize(ir)
+    peaks = [evaluate(inputs, layout, gpu, cluster, a).peak_memory_bytes for a in (None, StageAssignment((7, 9, 9, 7)))]
+    tight = replace(gpu, hbm_gib=sum(peaks) / 2 / 2**30)
+    req = PlanRequest(num_gpus=4, global_batch=64, tp=1, pp=4, micro_batch=1, recompute="full", time_limit_s=0.001)
     try:
-        result = search(ir, req, *resolve("a100-40gb", "dgx-a100"))
+        result = search(ir, req, tight, cluster)
     except Infeasible as e:
         assert "time limit" in str(e)
         return

@@ -268,3 +268,8 @@ def test_strided_parameters_convert_for_checkpoints(measured: dict) -> None:
         strided = measured[kind, False]["strided"]
         assert len(strided) == n_fused, kind
         assert all(same and restored for _, same, restored in strided), strided
+
+
+if __name__ == "__main__":  # python tests/test_tp_runtime.py: the per-block counts, for reports
+    for (kind, sp, rc), m in zip(CONFIGS, run_workers(2, _measure, CONFIGS)[0]):
+        print(f"{kind:6} sp={sp!s:5} recompute={rc:9} {m['counts']}")

@@ -588,20 +588,14 @@ def _pipeline_step(
 
     plan, lay = rt.plan, rt.plan.layout
     n = lay.num_microbatches
-    order = rt.schedule.pipeline_order
-    if order is None:
-        raise RuntimeError(f"the {type(rt.schedule).__name__} schedule has no pipeline_order to dry-run")
+    actions = rank_actions(rt.schedule, info.pp_rank, n)
     pstages = {st.stage_index: st for st in _schedule_stages(rt.schedule)}
     runners = {st.index: runner for st, runner in zip(rt.stages, rt.runners)}
     in_chunks = inputs.chunk(n)
     tgt_chunks = targets.chunk(n)
     saved: dict[tuple[int, int], tuple[Any, tuple[torch.Tensor, ...]]] = {}
     done_backward: dict[int, int] = {}
-    for action in order[info.pp_rank]:
-        if action is None:
-            continue
-        kind = action.computation_type.value
-        s, mb = action.stage_index, action.microbatch_index
+    for kind, s, mb in actions:
         if kind == "F":
             with tracker.category("pipeline_buffers"):  # PipelineStage's receive buffer for this micro-batch
                 received = (
@@ -635,10 +629,42 @@ def _pipeline_step(
         elif kind == "REDUCE_GRAD":
             pstages[s].perform_reduce_grad(n if rt.schedule.scale_grads else 1)
         else:
-            raise RuntimeError(f"the dry run does not execute pipeline action {action!r}")
-    if not any(a is not None and a.computation_type.value == "REDUCE_GRAD" for a in order[info.pp_rank]):
-        for st in pstages.values():  # schedules without REDUCE_GRAD actions reduce after the last backward
-            st.perform_reduce_grad(n if rt.schedule.scale_grads else 1)
+            raise RuntimeError(f"the dry run does not execute pipeline action {kind} (stage {s}, micro-batch {mb})")
+
+
+def rank_actions(schedule: Any, pp_rank: int, n: int) -> list[tuple[str, int, int | None]]:
+    """(kind, stage, micro-batch) in the order torch runs them on this rank: F forward, B full backward,
+    REDUCE_GRAD. Multi-stage schedules run their pipeline_order; the single-stage ones do not (their
+    _step_microbatches has its own loop, and Schedule1F1B's pipeline_order omits the last rank's first forward), so
+    their loops are followed here: GPipe all forwards then all backwards; 1F1B min(n, stages − stage) warm-up
+    forwards, then backward / forward pairs, then the remaining backwards; then one REDUCE_GRAD."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    stage = getattr(schedule, "_stage", None)
+    if isinstance(schedule, (Schedule1F1B, ScheduleGPipe)) and stage is not None:
+        s, stages = stage.stage_index, schedule._num_stages
+        if isinstance(schedule, ScheduleGPipe):
+            order = [("F", s, i) for i in range(n)] + [("B", s, i) for i in range(n)]
+        else:
+            warmup = min(n, stages - s)
+            order = [("F", s, i) for i in range(warmup)]
+            fwd, bwd = warmup, 0
+            while True:
+                order.append(("B", s, bwd))
+                bwd += 1
+                if fwd == n:
+                    break
+                order.append(("F", s, fwd))
+                fwd += 1
+            order += [("B", s, i) for i in range(bwd, n)]
+        return [*order, ("REDUCE_GRAD", s, None)]
+    table = getattr(schedule, "pipeline_order", None)
+    if table is None:
+        raise RuntimeError(f"the {type(schedule).__name__} schedule has no pipeline_order to dry-run")
+    out = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in table[pp_rank] if a is not None]
+    if not any(kind == "REDUCE_GRAD" for kind, _, _ in out):  # older torch: reduce after the last backward
+        out += [("REDUCE_GRAD", st.stage_index, None) for st in _schedule_stages(schedule)]
+    return out
 
 
 @contextlib.contextmanager

@@ -102,7 +102,14 @@ def _stage_layers(inputs: ModelCostInputs, stage, last: int) -> list[tuple[Layer
     return out
 
 
-def bounds(inputs: ModelCostInputs, lo: Layout, ev: Evaluation, gpu: GPUProfile, cluster: ClusterProfile) -> dict:
+def bounds(
+    inputs: ModelCostInputs,
+    lo: Layout,
+    ev: Evaluation,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    options: CostOptions = CostOptions(),
+) -> dict:
     """Lower bounds of each breakdown term on the bottleneck rank (and dp/optimizer on the busiest rank)."""
     m, mb, tp, last = lo.num_microbatches, lo.micro_batch, lo.tp, lo.pp * lo.vpp - 1
     peak = gpu.bf16_tflops * 1e12
@@ -130,14 +137,17 @@ def bounds(inputs: ModelCostInputs, lo: Layout, ev: Evaluation, gpu: GPUProfile,
         )
         opt = max(opt, 12.0 * params / (lo.dp if lo.zero >= 1 else 1) / (gpu.hbm_gbps * 1e9))
         k = max(1, gpn // tp) if tp <= gpn else 1
-        g, p = 2.0 * params, 2.0 * params
+        g, p = options.grad_reduce_bytes * params, 2.0 * params
         if lo.zero == 0:
             t = _send_bound(g, lo.dp, k, cluster, 2.0)
-        elif lo.zero == 1:
-            t = _send_bound(g, lo.dp, k, cluster, 1.0) + _send_bound(p, lo.dp, k, cluster, 1.0)
+        elif lo.zero == 1 or lo.pp > 1:
+            # FSDP2 without resharding after forward: gathers per micro-batch (once per step under pipelining)
+            gathers = 1 if lo.pp > 1 else m
+            t = _send_bound(g, lo.dp, k, cluster, 1.0) + gathers * _send_bound(p, lo.dp, k, cluster, 1.0)
         else:
             gathers = 3 if lo.recompute == "full" else 2
-            t = m * gathers * _send_bound(p, lo.dp, k, cluster, 1.0) + _send_bound(g, lo.dp, k, cluster, 1.0)
+            reduces = m if options.zero3_reduce_every_microbatch else 1
+            t = m * gathers * _send_bound(p, lo.dp, k, cluster, 1.0) + reduces * _send_bound(g, lo.dp, k, cluster, 1.0)
         dp_comm = max(dp_comm, t)
     return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt}
 
@@ -175,7 +185,7 @@ def test_every_term_and_the_step_at_least_its_physical_bound(case):
     inputs, layout, name, options = case
     gpu, cluster = HARDWARE[name]
     ev = evaluate(inputs, layout, gpu, cluster, options=options)
-    bd, lb = ev.breakdown, bounds(inputs, layout, ev, gpu, cluster)
+    bd, lb = ev.breakdown, bounds(inputs, layout, ev, gpu, cluster, options)
     assert bd["compute_s"] + bd["recompute_s"] >= lb["compute"] * REL
     assert bd["tp_comm_s"] >= lb["tp_comm"] * REL
     assert bd["pp_comm_s"] >= lb["pp_comm"] * REL
@@ -204,7 +214,7 @@ def test_zero3_gpt3_on_1536_gpus_is_at_least_its_gather_traffic(gpt3, options):
     gpu, cluster = HARDWARE["a100-80gb"]
     layout = Layout(tp=1, pp=1, dp=1536, micro_batch=1, num_microbatches=1, recompute="full", zero=3)
     ev = evaluate(gpt3, layout, gpu, cluster, options=options)
-    lb = bounds(gpt3, layout, ev, gpu, cluster)
+    lb = bounds(gpt3, layout, ev, gpu, cluster, options)
     assert lb["dp_comm"] > 6.0
     assert ev.step_time_s >= max(lb["dp_comm"], lb["compute"])
     if options.dp_overlap == 0:

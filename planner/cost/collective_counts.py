@@ -10,10 +10,11 @@ step_time.py's docstring):
            micro_batch·tp_*_bytes, or as many all-gather + reduce-scatter pairs with sequence parallelism
   pp       per virtual stage and micro-batch one send forward (not the last stage) and one backward (not the first)
            of micro_batch·block.output_bytes / tp
-  dp       zero 0: ceil(grad bytes / DDP bucket) all-reduces of the gradients; zero 1: one reduce-scatter of the
-           gradients and one all-gather of the parameters per FSDP unit; zero 3: per unit and micro-batch one
-           all-gather in forward (again in a fully recomputed forward) and one in backward, one reduce-scatter per
-           unit per step (CostOptions.zero3_reduce_every_microbatch: per micro-batch)
+  dp       zero 0: ceil(grad bytes / DDP bucket) all-reduces of the gradients; zero 1 (and zero 3 under
+           pipelining): one reduce-scatter of the gradients per FSDP unit, one all-gather of the parameters per unit
+           and micro-batch (once per step under pipelining); zero 3: per unit and micro-batch one all-gather in
+           forward (again in a fully recomputed forward) and one in backward, and one reduce-scatter
+           (CostOptions.zero3_reduce_every_microbatch; once per step when False)
   tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank
 FSDP units are what runtime/data_parallel.py wraps: every layer that holds parameters, plus the stage itself.
 """
@@ -63,9 +64,9 @@ def rank_collectives(
     layout: Layout,
     blocks_per_stage: tuple[int, ...],
     pp_rank: int,
-    grad_reduce_bytes: float = 2.0,
+    grad_reduce_bytes: float = 4.0,
     ddp_bucket_bytes: float = 25.0 * 2**20,
-    zero3_reduce_every_microbatch: bool = False,
+    zero3_reduce_every_microbatch: bool = True,
     units: dict[int, int] | None = None,
 ) -> dict[str, CollectiveCount]:
     """Collectives of pipeline rank `pp_rank` in one step (see module doc); virtual stage i runs on rank i % pp.
@@ -102,9 +103,10 @@ def rank_collectives(
         if layout.zero == 0:
             calls = max(1, math.ceil(grads / ddp_bucket_bytes))
             _add(out, "all_reduce", calls, grads)
-        elif layout.zero == 1:
+        elif layout.zero == 1 or pp > 1:  # FSDP2 without resharding after forward
+            gathers = 1 if pp > 1 else m
             _add(out, "reduce_scatter", unit_count, grads)
-            _add(out, "all_gather", unit_count, PARAM_WIRE_BYTES * params)
+            _add(out, "all_gather", gathers * unit_count, gathers * PARAM_WIRE_BYTES * params)
         else:
             gathers = m * (3 if layout.recompute == "full" else 2)
             reduces = m if zero3_reduce_every_microbatch else 1

@@ -1,8 +1,12 @@
 """Summarise a captured ModelIR into the plain numbers the cost model needs, once per model.
 
 `summarize(ir)` walks the IR (and each layer's op graph, when present) and returns a ModelCostInputs of floats:
-the repeated block collapsed to one LayerCost, the layers before the blocks (embedding…, first pipeline stage)
-merged into `pre` and those after (final norm, head, loss; last stage) into `post`. After this, `evaluate` in
+one LayerCost per block (`block_costs`: blocks of different kinds differ; layers between two stacks, such as an
+encoder's final norm, are folded into the block before them), their mean as `block` (for the parts of the cost
+model that treat blocks as interchangeable), the layers before the blocks (embedding…, first pipeline stage)
+merged into `pre` and those after (final norm, head, loss; last stage) into `post`. Routed experts of an MoE layer
+add their GEMMs (R = tokens·top_k·capacity rows each), their parameters (tp-sharded, as expert-tensor parallelism
+splits them) and one all-reduce of the combined output each way. After this, `evaluate` in
 planner/cost/step_time.py is pure arithmetic. Nothing here imports torch.
 
 How a layer is split by tensor parallelism follows Megatron (Shoeybi et al. 2019): a linear reading the residual
@@ -16,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
-from mlm.planner.capture.graph import LayerIR, ModelIR
+from mlm.planner.capture.graph import LayerIR, ModelIR, MoEIR
 from mlm.planner.errors import PlanError
 
 Split = Literal["col", "row", "vocab", "replicate"]
@@ -81,6 +85,8 @@ class ModelCostInputs:
     num_kv_heads: int
     vocab_size: int
     num_params: int
+    block_costs: tuple[LayerCost, ...] = ()  # one per block, in order (block_names); `block` is their mean
+    active_params: int = 0  # parameters one token uses (MoE: top_k of the routed experts); num_params if dense
 
     @property
     def num_blocks(self) -> int:
@@ -93,13 +99,20 @@ class ModelCostInputs:
 
 
 def summarize(ir: ModelIR) -> ModelCostInputs:
-    """Collapse `ir` to per-layer floats; blocks must be identical (their mean is used if they are not)."""
+    """Collapse `ir` to per-layer floats: one cost per block, their mean, and the merged layers before / after."""
     blocks = [layer for layer in ir.layers if layer.kind == "block"]
     if not blocks:
         raise PlanError("the model has no repeated transformer blocks to place on pipeline stages")
     first = ir.layers.index(blocks[0])
     last = ir.layers.index(blocks[-1])
-    costs = [_layer_cost(b, ir) for b in blocks]
+    costs: list[LayerCost] = []
+    for layer in ir.layers[first : last + 1]:
+        cost = _layer_cost(layer, ir)
+        if layer.kind == "block":
+            costs.append(cost)
+        else:  # between two stacks (an encoder's final norm): run with the block before it
+            merged = _merge([costs[-1], cost])
+            costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir) for x in ir.layers[:first]])
     post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1 :] if x.kind != "block"])
@@ -125,7 +138,14 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
         num_kv_heads=ir.num_kv_heads,
         vocab_size=ir.vocab_size,
         num_params=ir.num_params,
+        block_costs=tuple(costs),
+        active_params=_active_params(ir),
     )
+
+
+def _active_params(ir: ModelIR) -> int:
+    active = getattr(ir, "active_params", None)  # IRs pickled before MoE support lack the property's inputs
+    return int(active) if isinstance(active, int) else ir.num_params
 
 
 # ---- one layer ---------------------------------------------------------------------------------------------------
@@ -136,6 +156,11 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
     kind = layer.kind
     vocab = kind in ("head", "loss")
     gemms, sharded_params, fwd, bwd = _linears(layer, ir)
+    moe = getattr(layer, "moe", None)
+    if moe is not None:
+        experts, expert_params, out_bytes = _experts(moe)
+        gemms, sharded_params = gemms + experts, sharded_params + expert_params
+        fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
     mem_s, core = _memory_split(layer, ir.seq_len, kind)
     if kind == "loss":
         fwd = (fwd[0] + LOSS_REDUCTIONS, fwd[1] + LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
@@ -193,6 +218,19 @@ def _linears(layer: LayerIR, ir: ModelIR) -> tuple[tuple[Gemm, ...], float, tupl
         else:
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, "replicate"))
     return tuple(gemms), sharded, (fwd_n, fwd_b), (bwd_n, bwd_b)
+
+
+def _experts(moe: MoEIR) -> tuple[tuple[Gemm, ...], float, float]:
+    """The routed experts' GEMMs (all tokens·top_k·capacity rows as one grouped GEMM per expert weight; the first
+    GEMMs, which read the hidden state, column-split, the later ones row-split under tp), their parameters, and the
+    bytes of the combined output that the row-split experts all-reduce (one per direction)."""
+    rows = moe.tokens * max(moe.top_k, 1) * moe.capacity_factor
+    hidden = moe.expert_gemms[0].in_features if moe.expert_gemms else 0
+    gemms = tuple(
+        Gemm(rows, g.in_features, g.out_features, "col" if g.in_features == hidden else "row")  # type: ignore[arg-type]
+        for g in moe.expert_gemms
+    )
+    return gemms, float(moe.routed_params), float(BF16_BYTES * moe.tokens * hidden)
 
 
 def _block_splits(layer: LayerIR) -> tuple[list[Split], list[float]]:
@@ -275,7 +313,8 @@ def _merge(costs: list[LayerCost]) -> LayerCost:
 
 
 def _mean(costs: list[LayerCost]) -> LayerCost:
-    """Average of differing blocks (so stage placement can still treat blocks as interchangeable)."""
+    """Average of differing blocks (for the parts of the cost model that treat blocks as interchangeable): every
+    block's GEMMs are kept, identical ones pooled, with rows scaled by the share of blocks that run them."""
     total = _merge(costs)
     n = len(costs)
     numeric = {
@@ -283,6 +322,15 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
         for f in fields(total)
         if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "tp_fwd_count", "tp_bwd_count")
     }
+    pooled: dict[tuple, int] = {}
+    for g in total.gemms:
+        pooled[(g.rows, g.k, g.n, g.split)] = pooled.get((g.rows, g.k, g.n, g.split), 0) + 1
+    gemms = tuple(Gemm(rows * count / n, k, m, split) for (rows, k, m, split), count in pooled.items())  # type: ignore[arg-type]
     return replace(
-        costs[0], **numeric, tp_fwd_count=round(total.tp_fwd_count / n), tp_bwd_count=round(total.tp_bwd_count / n)
+        costs[0],
+        **numeric,
+        gemms=gemms,
+        attn_materialized=total.attn_materialized,
+        tp_fwd_count=round(total.tp_fwd_count / n),
+        tp_bwd_count=round(total.tp_bwd_count / n),
     )

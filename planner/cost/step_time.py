@@ -96,22 +96,25 @@ class CostOptions:
         --overlap-grad-reduce / --overlap-param-gather). ZeRO-3 (FSDP2 prefetch): every per-layer gather and
         reduce-scatter of the step under the step's compute, the first layer's gather never hidden.
     ddp_bucket_bytes: torch DDP's bucket_cap_mb = 25 default (one all-reduce call, hence one latency, per bucket).
-    zero3_reduce_every_microbatch: False as mlm-run (gradient sync only on the last micro-batch, train.py
-        _grad_sync); True as ZeRO-3 without gradient accumulation across micro-batches.
-    grad_reduce_bytes: bytes per gradient element on the wire (2: bf16 reduction).
+    zero3_reduce_every_microbatch: True as mlm-run (FSDP2 reduce-scatters as each micro-batch's backward ends,
+        measured by mlm-run --dry-run); False: one reduce-scatter per step after gradient accumulation.
+    grad_reduce_bytes: bytes per gradient element on the wire (mlm-run 4: fp32 reduction, FSDP2's reduce_dtype
+        and DDP on fp32 gradients; Megatron-LM 2021: 2, fp16 all-reduce).
     tp_overlap: fraction of tensor-parallel collective time hidden behind the block's GEMMs (Megatron-Core
         --tp-comm-overlap); 0 in mlm-run and in Megatron-LM 2021/2022.
     """
 
     dp_overlap: float = 1.0
     ddp_bucket_bytes: float = 25.0 * 2**20
-    zero3_reduce_every_microbatch: bool = False
-    grad_reduce_bytes: float = 2.0
+    zero3_reduce_every_microbatch: bool = True
+    grad_reduce_bytes: float = 4.0
     tp_overlap: float = 0.0
 
 
 MLM_RUN = CostOptions()
-MEGATRON_2021 = CostOptions(dp_overlap=0.0)  # Narayanan et al. 2021 / Korthikanti et al. 2022 runs: no DP overlap
+MEGATRON_2021 = CostOptions(
+    dp_overlap=0.0, zero3_reduce_every_microbatch=False, grad_reduce_bytes=2.0
+)  # Narayanan et al. 2021 / Korthikanti et al. 2022 runs: no DP overlap
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,10 +441,10 @@ def _dp_rank_time(
     grad_bytes = options.grad_reduce_bytes * params
     backward = ranks.backward[rank] + ranks.recompute[rank]  # one micro-batch
     forward = ranks.forward[rank]
-    if layout.zero >= 3:
+    if layout.zero >= 3 and layout.pp == 1:
         # FSDP: per layer, the parameters are gathered for the forward, again for a fully recomputed forward,
-        # and for the backward, on every micro-batch; gradients reduce-scattered per layer once per step
-        # (mlm-run) or on every micro-batch
+        # and for the backward, on every micro-batch; gradients reduce-scattered per layer on every micro-batch
+        # (mlm-run: FSDP2 reduces as each micro-batch's backward ends) or once per step
         layers = max(1, round(len(inputs.block_names) * params / max(_block_params(inputs, layout), 1.0)))
         layers = min(layers, len(inputs.block_names) + 2)
         gathers = 3 if layout.recompute == "full" else 2
@@ -457,11 +460,15 @@ def _dp_rank_time(
         calls = max(1, math.ceil(grad_bytes / max(bucket, 1.0)))
         comm = all_reduce_s(grad_bytes, dp, link, calls)
         return max(all_reduce_s(bucket, dp, link), comm - o * backward) if o > 0 else comm
+    # zero 1, and zero 3 under pipelining (FSDP2 without resharding after forward): the gradients are
+    # reduce-scattered once per step; the parameters gathered for every micro-batch's forward without pipelining
+    # (FSDP2 reshards after each backward), once per step with it (the pipeline keeps them between micro-batches)
+    gathers = 1 if layout.pp > 1 else m
     rs = reduce_scatter_s(grad_bytes, dp, link)
-    ag = all_gather_s(param_bytes, dp, link)
+    ag = gathers * all_gather_s(param_bytes, dp, link)
     if o <= 0:
         return rs + ag
-    return max(0.0, rs - o * backward) + max(0.0, ag - o * forward)
+    return max(0.0, rs - o * backward) + max(0.0, ag - o * gathers * forward)
 
 
 def _block_params(inputs: ModelCostInputs, layout: Layout) -> float:

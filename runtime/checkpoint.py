@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from mlm.planner.errors import PlanError
 from mlm.runtime.stages import original_fqn
+from mlm.runtime.tensor_parallel import copy_from_plain_shards, is_strided, to_plain_shards
 
 META_FILE = "mlm_checkpoint.json"
 
@@ -85,6 +86,8 @@ def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any]
         for stale in directory.parent.glob(f"{directory.name}.tmp-*"):  # left by saves that were killed
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
+    # per-head shards of fused projections (_StridedShard) as plain chunks: DCP writes overlapping chunks for them
+    state = {k: to_plain_shards(v) if is_strided(v) else v for k, v in state.items()}
     try:
         dcp.save(state, checkpoint_id=str(tmp))
         error = None
@@ -211,6 +214,8 @@ def read_meta(directory: Path) -> dict[str, Any]:
 def load(directory: Path, state: dict[str, Any]) -> None:
     """Load in place into this rank's tensors (any layout), under no_grad because they are leaf parameters."""
     found = resolve(directory) or directory
+    strided = {k: v for k, v in state.items() if is_strided(v)}
+    state = {**state, **{k: to_plain_shards(v) for k, v in strided.items()}}  # as save() wrote them
     with torch.no_grad():
         try:
             dcp.load(state, storage_reader=SafeReader(str(found)), planner=_TensorsOnlyPlanner())
@@ -218,6 +223,8 @@ def load(directory: Path, state: dict[str, Any]) -> None:
             raise
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) wrapping per-rank errors
             raise CheckpointError(f"--resume {directory}: cannot load: {_first_line(e)}") from None
+    for k, dst in strided.items():
+        copy_from_plain_shards(dst, state[k])
 
 
 # ---- loading without running code from the checkpoint ----

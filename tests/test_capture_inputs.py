@@ -92,14 +92,14 @@ def test_whole_model_fallback_runs_on_a_fresh_instance_and_says_so() -> None:
     assert ir.num_layers == 3
     assert ir.num_params == 40 * 16 + 3 * (2 * 16 + 16 * 16 + 16) + 16 * 40 + 40
     assert any(w.startswith("whole-model fallback") for w in ir.warnings)
-    assert not any(w.startswith("blocks assumed identical") for w in ir.warnings)
+    assert not any(w.startswith("blocks of one kind") for w in ir.warnings)
 
 
 def test_replicated_blocks_are_a_warning() -> None:
     ir = capture(load_model_spec(EDGE, "build_capped"), seq_len=8)
-    assert not any(w.startswith("blocks assumed identical") for w in ir.warnings)  # no repeated container
+    assert not any(w.startswith("blocks of one kind") for w in ir.warnings)  # no repeated container
     ir = capture(load_model_spec(HF, "build_gpt2", {"n_layer": 3}), seq_len=8)
-    assert any(w.startswith("blocks assumed identical") and "3 children" in w for w in ir.warnings)
+    assert any(w.startswith("blocks of one kind costed from one instance") and "3 blocks" in w for w in ir.warnings)
 
 
 def test_parameters_no_captured_op_reads_are_a_warning() -> None:

@@ -113,7 +113,9 @@ def _count(entry: dict | None) -> str:
     return f"{entry['count']} × {_bytes(entry['bytes'] / max(entry['count'], 1))}"
 
 
-def dry_run_command(plan: Plan, opts: Any, as_json: bool, console: Console, out: Console) -> int:
+def dry_run_command(
+    plan: Plan, opts: Any, as_json: bool, console: Console, out: Console, pp_ranks: list[int] | None = None
+) -> int:
     """Run the dry run on `plan` and print the comparison (or the JSON document on stdout)."""
     from mlm.runtime.dry_run import dry_run
 
@@ -121,11 +123,11 @@ def dry_run_command(plan: Plan, opts: Any, as_json: bool, console: Console, out:
         console.print(f"dry run: {text}", highlight=False)
 
     console.print(
-        f"dry run of {plan.layout.describe()}: one step of each of {plan.layout.pp} pipeline rank role(s) on fake "
-        f"tensors",
+        f"dry run of {plan.layout.describe()}: one step of each of "
+        f"{len(pp_ranks) if pp_ranks is not None else plan.layout.pp} pipeline rank role(s) on fake tensors",
         highlight=False,
     )
-    reports = dry_run(plan, opts, progress=progress)
+    reports = dry_run(plan, opts, pp_ranks=pp_ranks, progress=progress)
     doc = report_document(plan, reports)
     if as_json:
         out.print_json(json.dumps(doc))

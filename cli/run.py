@@ -48,6 +48,16 @@ def _finite(text: str) -> float:
     return value
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated pipeline ranks like 0,3, got {text!r}") from None
+    if not ranks or any(r < 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"expected comma-separated pipeline ranks like 0,3, got {text!r}")
+    return sorted(set(ranks))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mlm-run", description="Train a model with a plan made by mlm-plan.")
     p.add_argument("plan", type=Path, help="plan.json written by mlm-plan --out")
@@ -93,6 +103,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "collectives per step beside the plan's prediction",
     )
     p.add_argument("--json", action="store_true", help="with --dry-run: print one JSON document on stdout")
+    p.add_argument(
+        "--pp-ranks",
+        type=_rank_list,
+        default=None,
+        help="with --dry-run: only these pipeline ranks, e.g. 0,63 (default: every pipeline rank; each takes "
+        "seconds to a minute at full size)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p.parse_args(argv)
 
@@ -106,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.dry_run:
             return _dry_run(args, console)
-        if args.json:
-            raise PlanError("--json needs --dry-run")
+        if args.json or args.pp_ranks is not None:
+            raise PlanError("--json and --pp-ranks need --dry-run")
         if under_launcher():
             return _worker(args, console)
         return _parent(args, raw, console)
@@ -141,7 +158,9 @@ def _dry_run(args: argparse.Namespace, console: Console) -> int:
     # the program a GPU would run: the plan's compute dtype (bf16 unless it says fp32), not the CPU's fp32
     dtype = "fp32" if plan.training.dtype == "fp32" else "bf16"
     opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=dtype)
-    return dry_run_command(plan, opts, args.json, console, Console())
+    if args.pp_ranks is not None and max(args.pp_ranks) >= plan.layout.pp:
+        raise PlanError(f"--pp-ranks {max(args.pp_ranks)}: the plan has pipeline ranks 0..{plan.layout.pp - 1}")
+    return dry_run_command(plan, opts, args.json, console, Console(), args.pp_ranks)
 
 
 def _options(args: argparse.Namespace, device: str, resume: Path | None) -> RunOptions:

@@ -50,6 +50,7 @@ MODELS = {
     ),
 }
 MODES = ("none", "selective", "full")
+SHORT = 32  # sequence length of the gradient and op-count checks (no memory model there: keep them fast)
 DROPOUT_MASK_OPS = ("bernoulli_", "bernoulli")  # CPU dropout draws its mask in place into an empty_like
 
 
@@ -194,7 +195,7 @@ def test_no_recompute_count_equals_saved_tensors_hooks() -> None:
 def test_gradients_equal_no_recompute(key: str) -> None:
     """fp32, dropout on where the model has it: the same loss and the same gradients, bit for bit."""
     name, args, container = MODELS[key]
-    tokens = torch.randint(0, 128, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 128, (BATCH, SHORT + 1), generator=torch.Generator().manual_seed(2))
     grads = {}
     for mode in MODES:
         model = _build(name, args, torch.float32)
@@ -223,7 +224,7 @@ def test_selective_recomputes_the_core_in_backward() -> None:
         model = _build(name, args, torch.float32)
         for block in _blocks(model, container):
             apply_recompute(block, mode)
-        loss = model(torch.randint(0, 128, (BATCH, SEQ))).float().sum()
+        loss = model(torch.randint(0, 128, (BATCH, SHORT))).float().sum()
         counter = OpCounter()
         with counter:
             loss.backward()

@@ -51,7 +51,7 @@ from mlm.runtime.optim import (
 )
 from mlm.runtime.recompute import apply_recompute
 from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
-from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, sequence_parallel_start
+from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, gather_full, sequence_parallel_start
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,12 @@ def _build_runtime(
             tokens.attach(stage.inner, counts_inside_forward=spec.loss_fn is None)
         if lay.tp > 1:
             vocab_head |= apply_tensor_parallel(
-                stage.inner.model, plan.tensor_parallel, info.tp_mesh, lay.sequence_parallel, seq_start
+                stage.inner.model,
+                plan.tensor_parallel,
+                info.tp_mesh,
+                lay.sequence_parallel,
+                seq_start,
+                num_heads=plan.model.num_heads or None,
             )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:
@@ -611,6 +616,6 @@ def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for st in rt.stages:
         for name, p in st.named_parameters(remove_duplicate=False):
-            value = p.full_tensor() if hasattr(p, "full_tensor") else p
+            value = gather_full(p)  # not p.full_tensor(): torch 2.13 gathers strided (per-head) shards wrongly
             out[original_fqn(name)] = value.detach().cpu().clone()
     return out

@@ -206,7 +206,6 @@ def _build_runtime(
                 info.tp_mesh,
                 lay.sequence_parallel,
                 seq_start,
-                num_heads=plan.model.num_heads or None,
             )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:

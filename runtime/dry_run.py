@@ -6,8 +6,9 @@ estimation do the same), and driven through one step: forward and backward of ev
 schedule's own action order, the gradient reductions, tied-weight sync, gradient norm and the optimizer step, with
 the optimizer state created first so the step is the steady state. Measured on the way:
 
-- memory: torch.distributed._tools' MemTracker, by category (parameters, buffers, gradients, activations,
-  temporaries, optimizer state), at the step's peak, plus the pipeline receive buffers;
+- memory: runtime/memory_tracker.py (live storages by category: parameters, buffers, gradients, activations,
+  temporaries, optimizer state; its docstring says why not torch's MemTracker) at the step's peak, plus the
+  pipeline receive buffers;
 - collectives: every c10d / functional collective the step issues, counted with its payload bytes (CommDebugMode
   counts calls but not bytes, so `CollectiveCounter` is a small dispatch mode over the same op sets).
 
@@ -25,6 +26,7 @@ that torch's PipelineStage allocates per micro-batch (activations forward, gradi
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -488,13 +490,6 @@ def _one_step(
         rt.optimizer.step()
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _first_layer(plan: Plan, stage: int) -> str:
     return next(x for x in plan.stages[stage].layers if x != "loss")
 
@@ -555,7 +550,7 @@ def pipeline_buffer_bytes(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_ra
 
 def _boundary_bytes(bounds: dict[int, list[TensorSpec]], stage: int) -> float:
     """Bytes of the activations sent into stage `stage` for one micro-batch."""
-    return float(sum(_numel(s.shape) * s.dtype.itemsize for s in bounds.get(stage, [])))
+    return float(sum(math.prod(s.shape) * s.dtype.itemsize for s in bounds.get(stage, [])))
 
 
 def pipeline_p2p(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_rank: int) -> dict[str, CollectiveTotals]:

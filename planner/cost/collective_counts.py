@@ -86,12 +86,10 @@ def rank_collectives(
             layers.append(inputs.post)
         for layer in layers:
             _tp(out, layer, layout, m)
-            p = local_params(layer, layout.tp)
-            params += p
-            unit_count += 1 if p > 0 else 0
-        unit_count += 1  # the stage's own FSDP unit
-        if units and i in units:  # the IR's own count of parameter-holding layers
-            unit_count += units[i] - (sum(1 for layer in layers if local_params(layer, layout.tp) > 0) + 1)
+        held = [local_params(layer, layout.tp) for layer in layers]
+        params += sum(held)
+        # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
+        unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
         if pp > 1:
             boundary = layout.micro_batch * inputs.block.output_bytes / layout.tp
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))

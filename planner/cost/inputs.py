@@ -68,6 +68,9 @@ class LayerCost:
     tp_bwd_count: int = 0
     tp_bwd_bytes: float = 0.0
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
+    expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
+    dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·bf16
+    kv_bytes: float = 0.0  # K and V bytes per sample of the attention ops, as ring context parallelism passes them
 
 
 @dataclass(frozen=True)
@@ -157,10 +160,12 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
     vocab = kind in ("head", "loss")
     gemms, sharded_params, fwd, bwd = _linears(layer, ir)
     moe = getattr(layer, "moe", None)
+    routed = dispatch = 0.0
     if moe is not None:
-        experts, expert_params, out_bytes = _experts(moe)
-        gemms, sharded_params = gemms + experts, sharded_params + expert_params
+        experts, routed, out_bytes = _experts(moe)
+        gemms, sharded_params = gemms + experts, sharded_params + routed
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
+        dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
     mem_s, core = _memory_split(layer, ir.seq_len, kind)
     if kind == "loss":
         fwd = (fwd[0] + LOSS_REDUCTIONS, fwd[1] + LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
@@ -187,7 +192,29 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         tp_bwd_count=bwd[0],
         tp_bwd_bytes=bwd[1],
         model_flops=layer.flops_matmul + layer.flops_attention,
+        expert_params=routed,
+        dispatch_bytes=dispatch,
+        kv_bytes=_kv_bytes(layer, ir),
     )
+
+
+def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
+    """K and V bytes of the layer's attention ops per sample. An attention op of output (b, h, s, d_v) costs
+    2·b·h·s²·(d_qk + d_v) FLOPs (ops.py), so its K and V hold kv_heads·s·(d_qk + d_v) elements: the real head
+    dims (MLA's d_qk ≠ d_v), with the model's kv heads (GQA exchanges K/V before they are repeated)."""
+    g = layer.ops
+    total = 0.0
+    if g is not None:
+        for _, d in g.nodes(data=True):
+            shape = d.get("shape", ())
+            if d.get("kind") != "attention" or len(shape) < 3 or not shape[-2]:
+                continue
+            heads = shape[-3] if len(shape) >= 3 else 1
+            kv_heads = min(ir.num_kv_heads or heads, heads)
+            total += BF16_BYTES * d.get("flops", 0.0) * kv_heads / (2.0 * heads * shape[-2])
+        return total
+    head_dim = ir.head_dim or ir.hidden_size // max(ir.num_heads, 1)
+    return len(layer.attention) * BF16_BYTES * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
 
 
 def _linears(layer: LayerIR, ir: ModelIR) -> tuple[tuple[Gemm, ...], float, tuple[int, float], tuple[int, float]]:

@@ -8,7 +8,7 @@ does not show, and each parameter no captured op reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
@@ -40,19 +40,30 @@ ATTRIBUTE_NAMES = {
 }
 
 
-def attribute_facts(model: nn.Module) -> dict[str, tuple[int, str]]:
+class Attribute(NamedTuple):
+    """One fact as attributes state it: the first name found, and every other name on the same object that states
+    the same fact (configs can carry two names that disagree, e.g. FalconConfig's num_kv_heads and
+    num_key_value_heads under multi_query)."""
+
+    value: int
+    name: str
+    others: tuple[tuple[int, str], ...] = ()
+
+
+def attribute_facts(model: nn.Module) -> dict[str, Attribute]:
     """Each fact's value from the usual config/attribute names, with the name it came from (config first)."""
     cfg = getattr(model, "config", None)
     sources = [("config", cfg), *model.named_modules()]
-    found: dict[str, tuple[int, str]] = {}
+    found: dict[str, Attribute] = {}
     for fact, names in ATTRIBUTE_NAMES.items():
         for where, source in sources:
             if source is None:
                 continue
-            hit = next((name for name in names if _positive_int(getattr(source, name, None))), None)
-            if hit is not None:
+            hits = [name for name in names if _positive_int(getattr(source, name, None))]
+            if hits:
                 prefix = "config" if where == "config" else (where or "model")
-                found[fact] = (getattr(source, hit), f"{prefix}.{hit}")
+                stated = [(getattr(source, name), f"{prefix}.{name}") for name in hits]
+                found[fact] = Attribute(*stated[0], tuple(stated[1:]))
                 break
     return found
 
@@ -61,7 +72,7 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def resolve(graph: GraphFacts, attrs: dict[str, tuple[int, str]], embedding_dim: int | None) -> Facts:
+def resolve(graph: GraphFacts, attrs: dict[str, Attribute], embedding_dim: int | None) -> Facts:
     """The graph's facts, the attributes as a cross-check, and one sentence per gap or disagreement."""
     notes: list[str] = []
     site = _representative(graph.attention, notes)
@@ -119,17 +130,20 @@ def _representative(sites: tuple[AttentionSite, ...], notes: list[str]) -> Atten
     return site
 
 
-def _cross_check(fact: str, value: int, source: str, attrs: dict[str, tuple[int, str]], notes: list[str]) -> None:
+def _cross_check(fact: str, value: int, source: str, attrs: dict[str, Attribute], notes: list[str]) -> None:
     said = attrs.get(fact)
-    if said is not None and said[0] != value:
-        label = fact.replace("num_", "").replace("_", " ")
-        notes.append(
-            f"{label}: the graph gives {value} ({source}) but attribute {said[1]} says {said[0]}; the graph's value "
-            f"is used"
-        )
+    if said is None:
+        return
+    label = fact.replace("num_", "").replace("_", " ")
+    for stated, name in ((said.value, said.name), *said.others):
+        if stated != value:
+            notes.append(
+                f"{label}: the graph gives {value} ({source}) but attribute {name} says {stated}; the graph's value "
+                f"is used"
+            )
 
 
-def _vocab(graph: GraphFacts, attrs: dict[str, tuple[int, str]], notes: list[str]) -> int:
+def _vocab(graph: GraphFacts, attrs: dict[str, Attribute], notes: list[str]) -> int:
     vin, vout = graph.vocab_in, graph.vocab_out
     if vin is not None and vout is not None and vin != vout:
         notes.append(f"the token embedding has {vin} rows but the output projection {vout} columns: vocabulary {vout}")

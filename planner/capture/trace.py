@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 
 from mlm.planner.capture import blocks as stacks
-from mlm.planner.capture.attributes import attribute_facts, resolve
+from mlm.planner.capture.attributes import Attribute, attribute_facts, resolve
 from mlm.planner.capture.blocks import BlockGroup
 from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
@@ -124,7 +124,7 @@ def capture(
     )
 
 
-def default_seq_len(attrs: dict[str, tuple[int, str]]) -> tuple[int, str]:
+def default_seq_len(attrs: dict[str, Attribute]) -> tuple[int, str]:
     """min(model context, DEFAULT_SEQ_CAP) and the sentence that says why."""
     context = attrs.get("context")
     if context is None:
@@ -135,7 +135,7 @@ def default_seq_len(attrs: dict[str, tuple[int, str]]) -> tuple[int, str]:
     return DEFAULT_SEQ_CAP, f"seq_len {DEFAULT_SEQ_CAP} (model context {value} from {name}; pass --seq-len to change)"
 
 
-def _position_limit(model: nn.Module, seq: int, attrs: dict[str, tuple[int, str]]) -> int | None:
+def _position_limit(model: nn.Module, seq: int, attrs: dict[str, Attribute]) -> int | None:
     """The longest table shorter than `seq` that could hold positions: the middle extent of a (1, N, hidden)
     parameter or buffer (learned position tables as in ViT), else the rows of an nn.Embedding other than the
     token table (the one with config's vocab_size rows, or else the largest)."""

@@ -1,4 +1,4 @@
-"""Data parallelism and optimizer sharding per the plan's zero stage, and activation recompute per stage.
+"""Data parallelism and optimizer sharding per the plan's zero stage.
 
 Which wrapper (each rule is a trap seen with torch 2.13, see issue 6):
 - Under pp > 1 with zero 0 and tp == 1: torch's FSDP2-based replicate() (DDP semantics: whole parameters and an
@@ -27,13 +27,11 @@ communication: only the bf16 cast). With fp32 compute (CPU runs) the wrappers ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from mlm.planner.layout import Layout
 
@@ -112,46 +110,3 @@ def _params_shared_between(modules: list[nn.Module]) -> set[int]:
             if seen.setdefault(id(p), i) != i:
                 seen[id(p)] = -1
     return {k for k, v in seen.items() if v == -1}
-
-
-# ---- activation recompute ----
-
-_SAVE_OPS = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_cudnn_attention",
-)
-
-
-def _selective_policy(_ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective recompute (Korthikanti et al. 2022 in spirit): keep matmul and attention outputs, recompute the
-    cheap memory-bound ops (norms, activations, softmax, dropout)."""
-    name = getattr(op, "__name__", str(op)).split(".")[0]
-    return CheckpointPolicy.MUST_SAVE if name in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_recompute(module: nn.Module, mode: str) -> None:
-    """Recompute this layer's activations in backward (torch.utils.checkpoint, non-reentrant). The forward is
-    replaced on the instance rather than wrapping the module, so parameter FQNs do not change."""
-    if mode == "none":
-        return
-    inner = module.forward
-    if mode == "selective":
-        fn = partial(
-            checkpoint,
-            inner,
-            use_reentrant=False,
-            context_fn=partial(create_selective_checkpoint_contexts, _selective_policy),
-        )
-    else:
-        fn = partial(checkpoint, inner, use_reentrant=False)
-    module.forward = fn  # type: ignore[method-assign]
-
-
-def recompute_mode(layout: Layout) -> str:
-    return "none" if layout.recompute == "none" else layout.recompute

@@ -56,16 +56,7 @@ DROPOUT = {
 Result = tuple[list[float], dict[str, torch.Tensor]]
 
 
-def _use_runtime_recompute() -> None:
-    """Until train.py imports runtime/recompute.py (the Korthikanti policy), make the runs use it."""
-    import mlm.runtime.train as train_module
-    from mlm.runtime.recompute import apply_recompute
-
-    train_module.apply_recompute = apply_recompute  # type: ignore[attr-defined]
-
-
 def _train_all(rank: int, runs: list[tuple[Any, RunOptions]]) -> list[Result]:
-    _use_runtime_recompute()
     out = []
     for plan, opts in runs:
         rt = train(plan, opts)

@@ -10,11 +10,15 @@ reduce-scatter and 2(n−1) for all-reduce, so latency grows with the group. A r
 on the network and n−N on NVLink (hierarchical: each node's members are consecutive in the ring), each priced at
 its own link's hop latency.
 
-Which link: ranks are ordered tp fastest, then dp, then pp, so a group of `size` ranks with `stride` between
-members covers size·stride consecutive ranks. If those fit in one node, it runs on NVLink. Otherwise it crosses
-the network, where every GPU has its own NIC (rail-optimised DGX nodes): NCCL runs one ring per NIC, so a group
-with k members per node drives k NICs, and its ring bandwidth is min(NVLink, k · per-GPU network bandwidth): the
-bottleneck of a dp group that spans nodes is the NIC bandwidth of its members.
+All-to-all (expert dispatch and combine): each of the n ranks sends (n−1)/n of its buffer, 1/n to each peer, all at
+once; peers inside the node are reached over NVLink, the others through the rank's own NIC, so the time is the
+longer of the two shares over its link (plus one base latency and n−1 hops, as NCCL runs it: grouped send/recv).
+
+Which link: ranks are ordered tp fastest, then cp, then dp, then pp (Megatron-Core's order), so a group of `size`
+ranks with `stride` between members covers size·stride consecutive ranks. If those fit in one node, it runs on
+NVLink. Otherwise it crosses the network, where every GPU has its own NIC (rail-optimised DGX nodes): NCCL runs one
+ring per NIC, so a group with k members per node drives k NICs, and its ring bandwidth is min(NVLink, k · per-GPU
+network bandwidth): the bottleneck of a dp group that spans nodes is the NIC bandwidth of its members.
 """
 
 from __future__ import annotations
@@ -111,3 +115,27 @@ reduce_scatter_s = all_gather_s  # same ring traffic, reversed: (n−1)/n of the
 def p2p_s(nbytes: float, link: Link) -> float:
     """One send/recv of `nbytes` between two ranks."""
     return link.latency_s + nbytes / link.bus_bytes_per_s
+
+
+def all_to_all_s(nbytes: float, n: int, cluster: ClusterProfile, stride: int) -> float:
+    """All-to-all of `nbytes` per rank among n ranks `stride` apart (module doc): the in-node share (per_node−1)/n
+    over NVLink and the off-node share (n−per_node)/n over the rank's NIC, concurrently."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    intra = _intra(cluster)
+    if n * stride <= cluster.gpus_per_node:
+        return intra.latency_s + intra.ring_pass_s(n) + (n - 1) / n * nbytes / intra.bus_bytes_per_s
+    link = group_link(cluster, n, stride)
+    per_node = max(1, min(n, cluster.gpus_per_node // max(stride, 1)))
+    nic = cluster.inter_node_gbps * 1e9 * cluster.inter_node_collective_efficiency
+    on = (per_node - 1) / n * nbytes / intra.bus_bytes_per_s
+    off = (n - per_node) / n * nbytes / nic
+    return link.latency_s + link.ring_pass_s(n) + max(on, off)
+
+
+def ring_link(cluster: ClusterProfile, size: int, stride: int) -> Link:
+    """The slowest hop of a ring of `size` ranks `stride` apart (context parallelism's K/V ring): NVLink inside a
+    node, else a NIC (the ring's node-crossing hops)."""
+    if size * stride <= cluster.gpus_per_node:
+        return _intra(cluster)
+    return p2p_link(cluster, cluster.gpus_per_node)

@@ -26,10 +26,26 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
               nothing hidden). Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
   optimizer   Adam as a memory-bound pass: 28 bytes per local parameter (fp32 master, m, v read+written; bf16
               grad read, bf16 weight written), sharded over dp under zero >= 1.
+  ep          expert parallelism (ep carved out of dp·cp, layout.py): each rank holds 1/ep of every MoE layer's
+              routed experts (parameters, gradients, optimizer states ÷ep, the states sharded under zero over the
+              dp·cp/ep ranks that hold the same experts, whose gradients are reduced over that group) and the dense
+              part as dp·cp says. Its tokens reach their experts by an all-to-all (dispatch) and come back by
+              another (combine), forward and again in backward: 4 per MoE layer and micro-batch of
+              tokens·top_k·capacity·hidden·2 bytes (÷tp under SP: each tp rank dispatches its sequence shard), over
+              NVLink inside a node, the NIC across (collectives.all_to_all_s), not overlapped (Megatron-Core's
+              default). A rank receives tokens·top_k·capacity rows on average from its ep group, as many as it
+              sends, so the expert GEMMs per rank are those of ep = 1; the capacity factor is the imbalance
+              allowance (capture's option, in the warnings).
+  cp          context parallelism: each sequence split over cp ranks in 2·cp load-balanced causal chunks, so every
+              token-proportional term (GEMM rows, attention score work, memory-bound bytes, activations, tp and pp
+              traffic, all-to-alls) is ÷cp per rank, attention at the efficiency of s/cp-long chunks. Ring
+              attention passes each chunk's K and V (the layer's real K/V bytes, ÷tp) cp−1 times forward and twice
+              as much backward (K/V and dK/dV), hidden under the attention compute up to its time. Gradients
+              (and ZeRO shards) reduce over dp·cp.
 
-Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s (the busiest pipeline rank's
-per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops) + bubble_s + dp_comm_s (exposed
-part) + optimizer_s, exactly.
+Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s + ep_comm_s + cp_comm_s (the busiest
+pipeline rank's per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops) + bubble_s +
+dp_comm_s (exposed part) + optimizer_s, exactly. ep = cp = 1 gives the numbers of the model without them.
 
 Calibration: each GPU profile's GEMM and attention curves are its prior times one compute factor fitted on the
 train rows of the published runs in profiles/calibration/ and checked on held-out rows (planner/cost/calibration.py,
@@ -41,7 +57,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mlm.planner.cost.collectives import Link, all_gather_s, all_reduce_s, group_link, p2p_link, p2p_s, reduce_scatter_s
+from mlm.planner.cost.collectives import (
+    Link,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    group_link,
+    p2p_link,
+    p2p_s,
+    reduce_scatter_s,
+    ring_link,
+)
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
 from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, summarize
 from mlm.planner.cost.memory import (
@@ -135,10 +161,14 @@ class StageCost:
     pp_comm_s: float
     inflight: float
     memory: MemoryBreakdown
+    ep_comm_s: float = 0.0  # expert all-to-alls (dispatch + combine, forward and backward)
+    cp_comm_s: float = 0.0  # exposed ring K/V exchange of context parallelism
 
     @property
     def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s
+        return (self.forward_s + self.backward_s + self.recompute_s + self.tp_comm_s + self.pp_comm_s) + (
+            self.ep_comm_s + self.cp_comm_s
+        )
 
 
 @dataclass(frozen=True)
@@ -167,6 +197,8 @@ class _LayerTimes:
     backward_s: float
     tp_s: float  # forward + backward collectives
     recompute_s: float  # extra time when recomputed under layout.recompute
+    ep_s: float = 0.0  # expert all-to-alls, forward + backward
+    cp_s: float = 0.0  # exposed ring K/V exchange, forward + backward
 
 
 @dataclass(frozen=True)
@@ -213,10 +245,20 @@ def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
 
 
 def _layer_times(
-    layer: LayerCost, layout: Layout, gpu: GPUProfile, tp_link: Link, seq: int, tp_overlap: float = 0.0
+    layer: LayerCost,
+    layout: Layout,
+    gpu: GPUProfile,
+    tp_link: Link,
+    seq: int,
+    tp_overlap: float = 0.0,
+    cluster: ClusterProfile | None = None,
+    moe_share: float = 1.0,
 ) -> _LayerTimes:
     """Forward, backward, exposed tp-collective and recompute time of one micro-batch through `layer`
-    (tp_overlap: the fraction of the collectives hidden behind this layer's GEMMs, at most their time)."""
+    (tp_overlap: the fraction of the collectives hidden behind this layer's GEMMs, at most their time), and the
+    expert all-to-alls and exposed ring K/V exchange (`cluster` needed when ep or cp > 1; `layer` already holds
+    one cp rank's share; moe_share: the fraction of the blocks averaged into `layer` that are MoE, whose
+    all-to-alls each carry dispatch_bytes / moe_share)."""
     mb, tp, sp = layout.micro_batch, layout.tp, layout.sequence_parallel
     peak = gpu.bf16_tflops * 1e12
     gemm = 0.0
@@ -243,9 +285,40 @@ def _layer_times(
         extra = attn_f + mb * layer.core_bytes / tp / bandwidth
     else:
         extra = 0.0
+    a2a_f, ep_s = _all_to_alls(layer, layout, cluster, moe_share)
+    ring_f, cp_s = _ring_exchange(layer, layout, cluster, attn_f, attn_b)
+    if layout.recompute == "full":
+        extra += a2a_f + ring_f
     tp_total = tp_f + tp_b
     tp_exposed = tp_total - min(tp_overlap * tp_total, 3.0 * gemm) if tp_overlap > 0 else tp_total
-    return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra)
+    return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra, ep_s, cp_s)
+
+
+def _all_to_alls(
+    layer: LayerCost, layout: Layout, cluster: ClusterProfile | None, moe_share: float
+) -> tuple[float, float]:
+    """(forward, forward + backward) time of the expert all-to-alls of one micro-batch: dispatch and combine each
+    way, over the ep group (ep consecutive ranks of the dp·cp ranks, tp apart)."""
+    if layout.ep <= 1 or not layer.dispatch_bytes or cluster is None or moe_share <= 0:
+        return 0.0, 0.0
+    nbytes = layout.micro_batch * layer.dispatch_bytes / moe_share / (layout.tp if layout.sequence_parallel else 1)
+    one = moe_share * all_to_all_s(nbytes, layout.ep, cluster, layout.tp)
+    return 2.0 * one, 4.0 * one
+
+
+def _ring_exchange(
+    layer: LayerCost, layout: Layout, cluster: ClusterProfile | None, attn_f: float, attn_b: float
+) -> tuple[float, float]:
+    """(forward, forward + backward) exposed time of ring attention's K/V exchange for one micro-batch: cp−1 sends
+    of the rank's K/V chunk (its kv heads ÷tp) forward, twice that backward, each hidden under the attention
+    compute of its direction up to that compute's time."""
+    cp = layout.cp
+    if cp <= 1 or not layer.kv_bytes or cluster is None:
+        return 0.0, 0.0
+    step = p2p_s(layout.micro_batch * layer.kv_bytes / layout.tp, ring_link(cluster, cp, layout.tp))
+    ring = (cp - 1) * step
+    forward = max(0.0, ring - attn_f)
+    return forward, forward + max(0.0, 2.0 * ring - attn_b)
 
 
 def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> float:
@@ -262,7 +335,7 @@ def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, 
     if layout.pp == 1:
         return 0.0
     nbytes = layout.micro_batch * inputs.block.output_bytes
-    one = p2p_s(nbytes / layout.tp, p2p_link(cluster, layout.tp * layout.dp))
+    one = p2p_s(nbytes / layout.tp, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
     if not layout.sequence_parallel:
         one += all_gather_s(nbytes, layout.tp, tp_link)
     return 2.0 * one
@@ -273,8 +346,11 @@ def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, 
 
 def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment) -> None:
     stages = layout.pp * layout.vpp
-    if layout.cp != 1:
-        raise PlanError("context parallelism (cp > 1) is not modelled by the cost model yet")
+    if layout.cp < 1 or layout.ep < 1 or (layout.dp * layout.cp) % layout.ep:
+        raise PlanError(
+            f"ep {layout.ep} must divide dp·cp = {layout.dp * layout.cp} (expert parallelism is carved out of the "
+            f"data- and context-parallel ranks), and cp, ep must be >= 1"
+        )
     if len(assignment.blocks_per_stage) != stages or sum(assignment.blocks_per_stage) != inputs.num_blocks:
         raise PlanError(
             f"stage assignment {assignment.blocks_per_stage} must place all {inputs.num_blocks} "
@@ -294,19 +370,22 @@ def evaluate(
     options: CostOptions = CostOptions(),
 ) -> Evaluation:
     """Predict step time, its breakdown and per-GPU memory of `layout` (balanced blocks unless `assignment`)."""
-    pp, vpp, tp, dp, m = layout.pp, layout.vpp, layout.tp, layout.dp, layout.num_microbatches
+    pp, vpp, tp, m = layout.pp, layout.vpp, layout.tp, layout.num_microbatches
     num_stages = pp * vpp
     assignment = assignment or StageAssignment(balanced_blocks(inputs.num_blocks, num_stages))
     _check(inputs, layout, assignment)
     counts = assignment.blocks_per_stage
     rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
+    whole = inputs
+    inputs = cp_share(inputs, layout.cp)
     tp_link = group_link(cluster, tp, 1)
-    seq = inputs.seq_len
+    seq = max(1, inputs.seq_len // layout.cp)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     o = options.tp_overlap
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o)
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o)
+    share = moe_share(inputs)
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o, cluster, share)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
     p2p = _p2p_time(inputs, layout, cluster, tp_link)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
@@ -314,10 +393,10 @@ def evaluate(
     a_rc = activation_bytes(inputs.block, layout.recompute, tp, sp, mb)
     a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb)
     a_post = activation_bytes(inputs.post, "none", tp, sp, mb)
-    p_block = local_params(inputs.block, tp)
-    p_pre = local_params(inputs.pre, tp)
-    p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if pp > 1 else 0.0)
-    per = state_bytes(1.0, layout.zero, dp, pp > 1)  # bytes per local parameter: params, grads, optimizer
+    p_block, e_block = rank_params(inputs.block, tp, layout.ep)
+    p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
+    p_post, e_post = rank_params(inputs.post, tp, layout.ep)
+    p_post += inputs.tied_params / tp if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
     buffer = zero3_buffer_bytes(inputs.block, tp, layout.zero, pp > 1)
     working = working_bytes(inputs.block, layout.recompute, tp, sp, mb)
@@ -329,29 +408,28 @@ def evaluate(
     for i, (n, r) in enumerate(zip(counts, rcs)):
         first, last = i == 0, i == num_stages - 1
         fwd, bwd, tpc = n * blk.forward_s, n * blk.backward_s, n * blk.tp_s
-        params, acts = n * p_block, (n - r) * a_none + r * a_rc
-        if first:
-            fwd, bwd, tpc, params, acts = (
-                fwd + pre.forward_s,
-                bwd + pre.backward_s,
-                tpc + pre.tp_s,
-                params + p_pre,
-                acts + a_pre,
-            )
-        if last:
-            fwd, bwd, tpc, params, acts = (
-                fwd + post.forward_s,
-                bwd + post.backward_s,
-                tpc + post.tp_s,
-                params + p_post,
-                acts + a_post,
-            )
+        epc, cpc = n * blk.ep_s, n * blk.cp_s
+        params, acts, experts = n * p_block, (n - r) * a_none + r * a_rc, n * e_block
+        for edge, t, p_edge, e_edge, a_edge in (
+            (first, pre, p_pre, e_pre, a_pre),
+            (last, post, p_post, e_post, a_post),
+        ):
+            if edge:
+                fwd, bwd, tpc, epc, cpc = (
+                    fwd + t.forward_s,
+                    bwd + t.backward_s,
+                    tpc + t.tp_s,
+                    epc + t.ep_s,
+                    cpc + t.cp_s,
+                )
+                params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
         rc = r * blk.recompute_s
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
+        static = stage_state_bytes(params, experts, layout)
         memory = MemoryBreakdown(
-            params * per.params + (buffer if rank_wide else 0.0),
-            params * per.grads,
-            params * per.optimizer,
+            static.params + (buffer if rank_wide else 0.0),
+            static.grads,
+            static.optimizer,
             flight[i] * acts + (working if rank_wide and recomputing[i] else 0.0),
             reserve if rank_wide else 0.0,
         )
@@ -371,10 +449,82 @@ def evaluate(
             pp_comm_s=p2p,
             inflight=flight[i],
             memory=memory,
+            ep_comm_s=epc,
+            cp_comm_s=cpc,
         )
         stages.append(stage)
-        ranks.add(i % pp, stage, params)
-    return _assemble(inputs, layout, gpu, cluster, stages, ranks, options)
+        ranks.add(i % pp, stage, params, experts)
+    return _assemble(whole, inputs, layout, gpu, cluster, stages, ranks, options)
+
+
+def cp_share(inputs: ModelCostInputs, cp: int) -> ModelCostInputs:
+    """What one of cp context-parallel ranks computes, moves and keeps of each sample: every token-proportional
+    term ÷cp (GEMM rows; attention score work, balanced by the 2·cp causal chunks; bytes; activations; tp, pp,
+    all-to-all and K/V traffic); parameters, collective counts and the model FLOPs (what MFU counts) stay whole."""
+    if cp == 1:
+        return inputs
+
+    def local(c: LayerCost) -> LayerCost:
+        scaled = {name: getattr(c, name) / cp for name in _TOKEN_FIELDS}
+        gemms = tuple(replace(g, rows=g.rows / cp) for g in c.gemms)  # type: ignore[arg-type]
+        return replace(c, gemms=gemms, **scaled)
+
+    return replace(
+        inputs,
+        block=local(inputs.block),
+        pre=local(inputs.pre),
+        post=local(inputs.post),
+        block_costs=tuple(local(c) for c in inputs.block_costs),
+    )
+
+
+_TOKEN_FIELDS = (
+    "attn_flops",
+    "mem_sharded",
+    "mem_replicated",
+    "core_bytes",
+    "act_sharded",
+    "act_replicated",
+    "act_core",
+    "act_input",
+    "output_bytes",
+    "tp_fwd_bytes",
+    "tp_bwd_bytes",
+    "dispatch_bytes",
+    "kv_bytes",
+)
+
+
+def moe_share(inputs: ModelCostInputs) -> float:
+    """Fraction of the blocks that dispatch tokens to routed experts (1.0 when blocks are not listed)."""
+    if not inputs.block_costs:
+        return 1.0
+    return sum(1 for c in inputs.block_costs if c.dispatch_bytes > 0) / len(inputs.block_costs)
+
+
+def rank_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
+    """(all, routed-expert) parameters of `layer` one rank holds: the dense part ÷tp (or replicated), the routed
+    experts ÷(tp·ep) (expert-tensor parallel size tp, layout.py)."""
+    if ep == 1:
+        return local_params(layer, tp), layer.expert_params / tp
+    experts = layer.expert_params / (tp * ep)
+    return (layer.params_sharded - layer.expert_params) / tp + layer.params_replicated + experts, experts
+
+
+def stage_state_bytes(params: float, experts: float, layout: Layout) -> MemoryBreakdown:
+    """Parameter, gradient and optimizer bytes of `params` local parameters, `experts` of them routed experts:
+    the dense part sharded (per zero) over the dp·cp ranks, the experts over the dp·cp/ep that hold them."""
+    pipelined, zero = layout.pp > 1, layout.zero
+    per = state_bytes(1.0, zero, layout.dp * layout.cp, pipelined)
+    if layout.ep == 1:
+        return MemoryBreakdown(params * per.params, params * per.grads, params * per.optimizer)
+    per_e = state_bytes(1.0, zero, layout.expert_dp, pipelined)
+    dense = params - experts
+    return MemoryBreakdown(
+        dense * per.params + experts * per_e.params,
+        dense * per.grads + experts * per_e.grads,
+        dense * per.optimizer + experts * per_e.optimizer,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,12 +538,19 @@ class _RankTotals:
     pp: list[float]
     params: list[float]  # local parameter count
     memory: list[list[float]]  # params, grads, optimizer, activations, reserve bytes
+    ep: list[float]
+    cp: list[float]
+    experts: list[float]  # local routed-expert parameters (part of params)
 
     @staticmethod
     def zeros(pp: int) -> _RankTotals:
-        return _RankTotals(*([0.0] * pp for _ in range(6)), [[0.0] * 5 for _ in range(pp)])
+        z = [[0.0] * pp for _ in range(9)]
+        return _RankTotals(*z[:6], [[0.0] * 5 for _ in range(pp)], *z[6:])
 
-    def add(self, rank: int, s: StageCost, params: float) -> None:
+    def add(self, rank: int, s: StageCost, params: float, experts: float = 0.0) -> None:
+        self.ep[rank] += s.ep_comm_s
+        self.cp[rank] += s.cp_comm_s
+        self.experts[rank] += experts
         self.forward[rank] += s.forward_s
         self.backward[rank] += s.backward_s
         self.recompute[rank] += s.recompute_s
@@ -408,39 +565,60 @@ class _RankTotals:
         mem[4] += m.reserve
 
     def time(self, rank: int) -> float:
-        return self.forward[rank] + self.backward[rank] + self.recompute[rank] + self.tp[rank] + self.pp[rank]
+        return (self.forward[rank] + self.backward[rank] + self.recompute[rank] + self.tp[rank] + self.pp[rank]) + (
+            self.ep[rank] + self.cp[rank]
+        )
 
 
 def _dp_time(
     inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, options: CostOptions
 ) -> float:
     """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's (CostOptions says
-    what overlaps with what)."""
+    what overlaps with what). Dense gradients reduce over the dp·cp ranks; with ep > 1 the routed experts' over
+    the dp·cp/ep ranks that hold the same experts (ep·tp apart)."""
     dp, pp = layout.dp, layout.pp
     exposed = 0.0
-    if dp > 1:
-        link = group_link(cluster, dp, layout.tp)
+    if dp * layout.cp > 1:
         o = options.dp_overlap
         for rank in range(pp):
-            t = _dp_rank_time(inputs, layout, link, ranks, rank, o, options)
+            t = _dp_rank_time(inputs, layout, _dp_groups(layout, cluster, ranks, rank), ranks, rank, o, options)
             exposed = max(exposed, t)
     if pp > 1 and inputs.tied_params:
         exposed += all_reduce_s(
-            options.grad_reduce_bytes * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * dp)
+            options.grad_reduce_bytes * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * layout.cp * dp)
         )
     return exposed
 
 
+def _dp_groups(layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, rank: int) -> list[tuple[float, int, Link]]:
+    """(local parameters, group size, link) of each gradient-reduction group of one pipeline rank."""
+    n = layout.dp * layout.cp
+    if layout.ep == 1:
+        return [(ranks.params[rank], n, group_link(cluster, n, layout.tp))]
+    experts = ranks.experts[rank]
+    edp = layout.expert_dp
+    return [
+        (ranks.params[rank] - experts, n, group_link(cluster, n, layout.tp)),
+        (experts, edp, group_link(cluster, edp, layout.tp * layout.ep)),
+    ]
+
+
 def _dp_rank_time(
-    inputs: ModelCostInputs, layout: Layout, link: Link, ranks: _RankTotals, rank: int, o: float, options: CostOptions
+    inputs: ModelCostInputs,
+    layout: Layout,
+    groups: list[tuple[float, int, Link]],
+    ranks: _RankTotals,
+    rank: int,
+    o: float,
+    options: CostOptions,
 ) -> float:
-    """One pipeline rank's exposed dp communication per step."""
-    dp, m = layout.dp, layout.num_microbatches
+    """One pipeline rank's exposed dp communication per step, over its reduction groups (each group's traffic
+    as one group would run it, all of it under the same compute windows)."""
+    m = layout.num_microbatches
     params = ranks.params[rank]
-    param_bytes = 2.0 * params  # bf16 weights gathered
-    grad_bytes = options.grad_reduce_bytes * params
     backward = ranks.backward[rank] + ranks.recompute[rank]  # one micro-batch
     forward = ranks.forward[rank]
+    grb = options.grad_reduce_bytes
     if layout.zero >= 3 and layout.pp == 1:
         # FSDP: per layer, the parameters are gathered for the forward, again for a fully recomputed forward,
         # and for the backward, on every micro-batch; gradients reduce-scattered per layer on every micro-batch
@@ -449,34 +627,53 @@ def _dp_rank_time(
         layers = min(layers, len(inputs.block_names) + 2)
         gathers = 3 if layout.recompute == "full" else 2
         reduces = m if options.zero3_reduce_every_microbatch else 1
-        comm = m * gathers * all_gather_s(param_bytes, dp, link, layers) + reduces * reduce_scatter_s(
-            grad_bytes, dp, link, layers
+        comm = sum(
+            m * gathers * all_gather_s(2.0 * p, n, link, layers) + reduces * reduce_scatter_s(grb * p, n, link, layers)
+            for p, n, link in groups
         )
-        first = all_gather_s(param_bytes / layers, dp, link)
+        first = max(all_gather_s(2.0 * p / layers, n, link) for p, n, link in groups)
         window = m * (forward + backward)
         return max(first, comm - o * window) if o > 0 else comm
     if layout.zero == 0:
-        bucket = min(options.ddp_bucket_bytes, grad_bytes)
-        calls = max(1, math.ceil(grad_bytes / max(bucket, 1.0)))
-        comm = all_reduce_s(grad_bytes, dp, link, calls)
-        return max(all_reduce_s(bucket, dp, link), comm - o * backward) if o > 0 else comm
+        comm = floor = 0.0
+        for p, n, link in groups:
+            grad_bytes = grb * p
+            bucket = min(options.ddp_bucket_bytes, grad_bytes)
+            calls = max(1, math.ceil(grad_bytes / max(bucket, 1.0)))
+            comm += all_reduce_s(grad_bytes, n, link, calls)
+            floor = max(floor, all_reduce_s(bucket, n, link))
+        return max(floor, comm - o * backward) if o > 0 else comm
     # zero 1, and zero 3 under pipelining (FSDP2 without resharding after forward): the gradients are
     # reduce-scattered once per step; the parameters gathered for every micro-batch's forward without pipelining
     # (FSDP2 reshards after each backward), once per step with it (the pipeline keeps them between micro-batches)
     gathers = 1 if layout.pp > 1 else m
-    rs = reduce_scatter_s(grad_bytes, dp, link)
-    ag = gathers * all_gather_s(param_bytes, dp, link)
+    rs = sum(reduce_scatter_s(grb * p, n, link) for p, n, link in groups)
+    ag = sum(gathers * all_gather_s(2.0 * p, n, link) for p, n, link in groups)
     if o <= 0:
         return rs + ag
     return max(0.0, rs - o * backward) + max(0.0, ag - o * gathers * forward)
 
 
 def _block_params(inputs: ModelCostInputs, layout: Layout) -> float:
-    """Local parameters of one block under tp."""
-    return local_params(inputs.block, layout.tp)
+    """Local parameters of one block under tp (and ep)."""
+    return rank_params(inputs.block, layout.tp, layout.ep)[0]
+
+
+def _optimizer_s(layout: Layout, gpu: GPUProfile, ranks: _RankTotals) -> float:
+    """Adam's memory-bound pass over the busiest rank's local parameters (shards per zero: dense over dp·cp,
+    routed experts over dp·cp/ep)."""
+    bandwidth = gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency
+    if layout.zero < 1:
+        return max(ranks.params) * OPTIMIZER_TRAFFIC_BYTES / 1 / bandwidth
+    dense_shard = layout.dp * layout.cp
+    if layout.ep == 1:
+        return max(ranks.params) * OPTIMIZER_TRAFFIC_BYTES / dense_shard / bandwidth
+    local = max((p - e) / dense_shard + e / layout.expert_dp for p, e in zip(ranks.params, ranks.experts))
+    return local * OPTIMIZER_TRAFFIC_BYTES / bandwidth
 
 
 def _assemble(
+    whole: ModelCostInputs,
     inputs: ModelCostInputs,
     layout: Layout,
     gpu: GPUProfile,
@@ -490,12 +687,13 @@ def _assemble(
     pipe, bubble = pipeline_time(rank_times, m, layout.vpp)
     b = max(range(pp), key=rank_times.__getitem__)
     dp_s = _dp_time(inputs, layout, cluster, ranks, options)
-    shard = layout.dp if layout.zero >= 1 else 1
-    opt_s = max(ranks.params) * OPTIMIZER_TRAFFIC_BYTES / shard / (gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency)
+    opt_s = _optimizer_s(layout, gpu, ranks)
     breakdown = {
         "compute_s": m * (ranks.forward[b] + ranks.backward[b]),
         "tp_comm_s": m * ranks.tp[b],
         "pp_comm_s": m * ranks.pp[b],
+        "ep_comm_s": m * ranks.ep[b],
+        "cp_comm_s": m * ranks.cp[b],
         "dp_comm_s": dp_s,
         "bubble_s": bubble,
         "recompute_s": m * ranks.recompute[b],
@@ -506,8 +704,8 @@ def _assemble(
     capacity = gpu.hbm_gib * GIB
     peak = max(x.total for x in rank_memory)
     fits = peak <= capacity
-    tokens = layout.global_batch * inputs.seq_len
-    tflops = layout.global_batch * inputs.model_flops_per_sample / step / layout.world_size / 1e12
+    tokens = layout.global_batch * whole.seq_len
+    tflops = layout.global_batch * whole.model_flops_per_sample / step / layout.world_size / 1e12
     return Evaluation(
         layout=layout,
         stages=tuple(stages),
@@ -554,32 +752,40 @@ def stage_coefficients(
     options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
-    tp, sp, mb, zero, dp = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero, layout.dp
+    tp, sp, mb, zero = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero
+    inputs = cp_share(inputs, layout.cp)
+    seq = max(1, inputs.seq_len // layout.cp)
     tp_link = group_link(cluster, tp, 1)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     o = options.tp_overlap
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, inputs.seq_len, o)
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, inputs.seq_len, o)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, inputs.seq_len, o)
-    per_param = state_bytes(1.0, zero, dp, layout.pp > 1).static
-    p_post = local_params(inputs.post, tp) + (inputs.tied_params / tp if layout.pp > 1 else 0.0)
+    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o, cluster, moe_share(inputs))
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
+    per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1).static
+
+    def static(layer: LayerCost, extra: float = 0.0) -> float:
+        params, experts = rank_params(layer, tp, layout.ep)
+        if layout.ep == 1:
+            return per_param * (params + extra)
+        return stage_state_bytes(params + extra, experts, layout).static
+
     fixed = (
         cluster.memory_reserve_gib * GIB
         + zero3_buffer_bytes(inputs.block, tp, zero, layout.pp > 1)
         + working_bytes(inputs.block, layout.recompute, tp, sp, mb)
     )
-    t_b = blk.forward_s + blk.backward_s + blk.tp_s
+    t_b = blk.forward_s + blk.backward_s + blk.tp_s + (blk.ep_s + blk.cp_s)
     return StageCoefficients(
         num_blocks=inputs.num_blocks,
         block_time_s=t_b,
         block_recompute_extra_s=blk.recompute_s,
         block_time_recompute_s=t_b + blk.recompute_s,
-        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s,
-        post_time_s=post.forward_s + post.backward_s + post.tp_s,
+        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s + (pre.ep_s + pre.cp_s),
+        post_time_s=post.forward_s + post.backward_s + post.tp_s + (post.ep_s + post.cp_s),
         p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
-        block_static_bytes=per_param * local_params(inputs.block, tp),
-        pre_static_bytes=per_param * local_params(inputs.pre, tp),
-        post_static_bytes=per_param * p_post,
+        block_static_bytes=static(inputs.block),
+        pre_static_bytes=static(inputs.pre),
+        post_static_bytes=static(inputs.post, inputs.tied_params / tp if layout.pp > 1 else 0.0),
         block_act_bytes=activation_bytes(inputs.block, "none", tp, sp, mb),
         block_act_recompute_bytes=activation_bytes(inputs.block, layout.recompute, tp, sp, mb),
         pre_act_bytes=activation_bytes(inputs.pre, "none", tp, sp, mb),

@@ -134,6 +134,20 @@ ATTENTION_OPS = frozenset(
     }
 )
 MATMUL_OPS = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum"})
+CONV_OPS = frozenset(
+    {
+        "convolution",
+        "_convolution",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "cudnn_convolution",
+        "mkldnn_convolution",
+    }
+)
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -177,7 +191,7 @@ def nbytes(t: torch.Tensor | None) -> float:
 class OpCost:
     """What one op costs in the forward pass, for one captured sample."""
 
-    kind: str  # "linear", "embedding", "attention", "matmul", "norm", "softmax", "dropout", "loss", "view",
+    kind: str  # "linear", "conv", "embedding", "attention", "matmul", "norm", "softmax", "dropout", "loss", "view",
     #            "creation", "elementwise"
     flops: float
     bytes_moved: float
@@ -225,6 +239,8 @@ def classify(node: torch.fx.Node, is_param: set[torch.fx.Node]) -> OpCost:
         if params and name != "baddbmm":
             return OpCost("linear", flops, 0.0, tuple(acts), 0.0)
         return OpCost("matmul", flops, 0.0, tuple(acts), 0.0)
+    if name in CONV_OPS:
+        return OpCost("conv", _conv_flops(name, node, args), 0.0, tuple(acts), 0.0)
     if name in NORM_OPS:
         rows = out.numel() / out.shape[-1] if out is not None and out.dim() else 0
         return OpCost("norm", 5.0 * out.numel(), in_bytes + out_bytes, tuple(acts[:1]), 8.0 * rows)
@@ -266,6 +282,35 @@ def _contracted_dim(name: str, node: torch.fx.Node, args: list[torch.fx.Node]) -
         a = val(args[1])
         return int(a.shape[-1]) if a is not None else 0
     if name == "einsum":
-        return 1  # rare in transformer blocks; counted as elementwise-scale work
+        return _einsum_contracted(node, args)
     a = val(args[0])
     return int(a.shape[-1]) if a is not None else 0
+
+
+def _conv_flops(name: str, node: torch.fx.Node, args: list[torch.fx.Node]) -> float:
+    """2 multiply-adds per output element and per weight tap it reads: out · (C_in/groups) · prod(kernel) for a
+    convolution, in · (C_out/groups) · prod(kernel) for a transposed one (each input element is scattered over
+    the kernel), the counts torch.utils.flop_counter also uses."""
+    x, w, out = (val(args[0]) if args else None), (val(args[1]) if len(args) > 1 else None), val(node)
+    if x is None or w is None or out is None:
+        return 0.0
+    transposed = "transpose" in name or bool(
+        node.args[6] if name in ("convolution", "_convolution") and len(node.args) > 6 else False
+    )
+    taps = math.prod(int(d) for d in w.shape[1:])  # (C_in/groups or C_out/groups) · kernel
+    return 2.0 * float(x.numel() if transposed else out.numel()) * taps
+
+
+def _einsum_contracted(node: torch.fx.Node, args: list[torch.fx.Node]) -> int:
+    """K of an einsum: the product of the sizes of the indices that appear in the operands but not the output."""
+    equation = node.args[0] if node.args and isinstance(node.args[0], str) else None
+    if equation is None or "->" not in equation or "..." in equation:
+        return 1
+    inputs, output = equation.replace(" ", "").split("->")
+    sizes: dict[str, int] = {}
+    for letters, a in zip(inputs.split(","), args, strict=False):
+        t = val(a)
+        if t is None or len(letters) != t.dim():
+            return 1
+        sizes.update({c: int(d) for c, d in zip(letters, t.shape, strict=True)})
+    return math.prod(sizes[c] for c in set(sizes) - set(output))

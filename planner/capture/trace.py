@@ -755,6 +755,8 @@ def _layer_ir(
         if c.kind == "linear":
             flops["mm"] += c.flops
             linears.append(_linear_op(n, params, name))
+        elif c.kind == "conv":
+            flops["mm"] += c.flops  # implicit-GEMM kernels: priced at the GEMM rate, never split by tp
         elif c.kind in ("attention", "matmul"):
             flops["attn"] += c.flops
         else:

@@ -576,7 +576,11 @@ def _routed(site: MoESite, calls: list[torch.fx.Node], params: dict[torch.fx.Nod
     router = {n for n, name in params.items() if _strip_root(name) == site.router_param}
     for n in calls:
         out = val(n)
-        if out is not None and any(a in router for a in _inputs(n)) and out.shape and out.shape[-1]:
+        if out is None or not any(a in router for a in _inputs(n)):
+            continue
+        if all(a in router for a in _inputs(n) if val(a) is not None):
+            router.add(n)  # a cast or view of the weight itself (DeepSeek-V3 runs the router in fp32)
+        elif out.shape and out.shape[-1]:
             return replace(site.ir, tokens=int(out.numel() // out.shape[-1]))
     return replace(site.ir, tokens=seq)
 

@@ -123,7 +123,13 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         handles.append(module.register_forward_hook(post, with_kwargs=True))
     inputs, targets = token_batch(model_vocab(model, plan), micro_batch, plan.training.seq_len, "meta")
     try:
-        TrainingModule(model, spec.loss_fn)(inputs, targets)
+        # Under FakeTensorMode (over the meta parameters): libraries that branch on data skip that branch for fake
+        # tensors as they do when tracing (transformers' masking_utils.is_tracing), where on plain meta tensors
+        # the branch's .item() fails.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            TrainingModule(model, spec.loss_fn)(inputs, targets)
     except Exception as e:  # user model code on meta tensors
         raise ModelLoadError(
             f"the training step does not run on the meta device: {type(e).__name__}: "

@@ -18,6 +18,7 @@ parallelism). All quantities are per sample (micro-batch 1) of `seq_len` tokens,
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Literal
 
 from mlm.planner.capture.graph import LayerIR, ModelIR, MoEIR
@@ -94,6 +95,28 @@ class ModelCostInputs:
     @property
     def num_blocks(self) -> int:
         return len(self.block_names)
+
+    @cached_property
+    def block_kinds(self) -> tuple[tuple[LayerCost, ...], tuple[int, ...]]:
+        """(distinct block costs, each block's index into them): what pricing every block as itself needs, computed
+        once per instance. Without block_costs (inputs built by hand) every block is `block`."""
+        if not self.block_costs:
+            return (self.block,), (0,) * self.num_blocks
+        index: dict[tuple, int] = {}
+        kinds: list[LayerCost] = []
+        of = []
+        for c in self.block_costs:
+            key = _numbers(c)
+            if key not in index:
+                index[key] = len(kinds)
+                kinds.append(c)
+            of.append(index[key])
+        return tuple(kinds), tuple(of)
+
+    @property
+    def uniform_blocks(self) -> bool:
+        """Whether every block costs the same (then `block` is each of them, and counts per stage say it all)."""
+        return len(self.block_kinds[0]) == 1
 
     @property
     def model_flops_per_sample(self) -> float:

@@ -211,6 +211,8 @@ class StageCoefficients:
     + inflight[i]·((n_i−r_i)·block_act_bytes + r_i·block_act_recompute_bytes + [i=0]·pre_act_bytes
     + [i=S−1]·post_act_bytes) + the rank-wide terms. capacity_bytes is HBM minus the rank-wide terms (reserve,
     ZeRO-3 buffer, and full recompute's working block, which evaluate counts only on ranks that recompute).
+    When blocks differ, the block_*s tuples give each block's own numbers and the sums above run over the blocks
+    of stage i (its first r_i recomputed); the scalars are then their means (n·mean is the blocks' total).
     """
 
     num_blocks: int
@@ -230,6 +232,11 @@ class StageCoefficients:
     inflight: tuple[float, ...]
     fixed_bytes: float
     capacity_bytes: float
+    block_times_s: tuple[float, ...] = ()  # per block when blocks differ (then the block_* scalars are their means)
+    block_recompute_extras_s: tuple[float, ...] = ()
+    block_statics_bytes: tuple[float, ...] = ()
+    block_acts_bytes: tuple[float, ...] = ()
+    block_acts_recompute_bytes: tuple[float, ...] = ()
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
@@ -341,6 +348,95 @@ def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, 
     return 2.0 * one
 
 
+@dataclass(frozen=True, slots=True)
+class _BlockTerms:
+    """What one block adds to its stage per micro-batch under a layout: times, local parameters (all, routed
+    experts) and saved activation bytes without / with layout.recompute."""
+
+    times: _LayerTimes
+    params: float
+    experts: float
+    act: float
+    act_recompute: float
+
+
+def _block_terms(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    tp_link: Link,
+    seq: int,
+    tp_overlap: float,
+    cluster: ClusterProfile,
+) -> tuple[tuple[_BlockTerms, ...], tuple[int, ...]]:
+    """Each distinct block's terms and every block's index into them. Identical blocks: one entry, the block
+    (`inputs.block`, its all-to-alls spread by moe_share); differing blocks (dense-then-MoE, sliding/full
+    attention, encoder/decoder): each kind priced as itself."""
+    tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
+    uniform = inputs.uniform_blocks
+    kinds, kind_of = ((inputs.block,), (0,) * inputs.num_blocks) if uniform else inputs.block_kinds
+    share = moe_share(inputs) if uniform else 1.0
+    terms = []
+    for c in kinds:
+        params, experts = rank_params(c, tp, layout.ep)
+        terms.append(
+            _BlockTerms(
+                _layer_times(c, layout, gpu, tp_link, seq, tp_overlap, cluster, share),
+                params,
+                experts,
+                activation_bytes(c, "none", tp, sp, mb),
+                activation_bytes(c, layout.recompute, tp, sp, mb),
+            )
+        )
+    return tuple(terms), kind_of
+
+
+def _stage_blocks(
+    terms: tuple[_BlockTerms, ...], kind_of: tuple[int, ...], pos: int, n: int, r: int
+) -> tuple[float, float, float, float, float, float, float, float, float]:
+    """Forward, backward, tp, ep, cp and recompute time, local parameters, routed-expert parameters and saved
+    activation bytes of blocks pos..pos+n−1 on one stage, the first r of them recomputed (as plan.json's
+    recompute_layers name them)."""
+    if len(terms) == 1:
+        b = terms[0]
+        t = b.times
+        return (
+            n * t.forward_s,
+            n * t.backward_s,
+            n * t.tp_s,
+            n * t.ep_s,
+            n * t.cp_s,
+            r * t.recompute_s,
+            n * b.params,
+            n * b.experts,
+            (n - r) * b.act + r * b.act_recompute,
+        )
+    out = [0.0] * 9
+    for j in range(pos, pos + n):
+        b = terms[kind_of[j]]
+        t, recomputed = b.times, j < pos + r
+        out[0] += t.forward_s
+        out[1] += t.backward_s
+        out[2] += t.tp_s
+        out[3] += t.ep_s
+        out[4] += t.cp_s
+        out[5] += t.recompute_s if recomputed else 0.0
+        out[6] += b.params
+        out[7] += b.experts
+        out[8] += b.act_recompute if recomputed else b.act
+    return tuple(out)  # type: ignore[return-value]
+
+
+def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout) -> tuple[float, float]:
+    """(ZeRO-3 gather buffer, full recompute's working activations): one block's worth per GPU, the largest
+    kind's when blocks differ."""
+    tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
+    kinds = (inputs.block,) if inputs.uniform_blocks else inputs.block_kinds[0]
+    buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1) for c in kinds)
+    working = max(working_bytes(c, layout.recompute, tp, sp, mb) for c in kinds)
+    return buffer, working
+
+
 # ---- evaluate ----------------------------------------------------------------------------------------------------
 
 
@@ -382,24 +478,19 @@ def evaluate(
     seq = max(1, inputs.seq_len // layout.cp)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     o = options.tp_overlap
-    share = moe_share(inputs)
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o, cluster, share)
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
     p2p = _p2p_time(inputs, layout, cluster, tp_link)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
-    a_none = activation_bytes(inputs.block, "none", tp, sp, mb)
-    a_rc = activation_bytes(inputs.block, layout.recompute, tp, sp, mb)
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster)
     a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb)
     a_post = activation_bytes(inputs.post, "none", tp, sp, mb)
-    p_block, e_block = rank_params(inputs.block, tp, layout.ep)
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
     p_post, e_post = rank_params(inputs.post, tp, layout.ep)
     p_post += inputs.tied_params / tp if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
-    buffer = zero3_buffer_bytes(inputs.block, tp, layout.zero, pp > 1)
-    working = working_bytes(inputs.block, layout.recompute, tp, sp, mb)
+    buffer, working = _rank_wide_bytes(inputs, layout)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
     stages: list[StageCost] = []
@@ -407,9 +498,7 @@ def evaluate(
     pos = 0
     for i, (n, r) in enumerate(zip(counts, rcs)):
         first, last = i == 0, i == num_stages - 1
-        fwd, bwd, tpc = n * blk.forward_s, n * blk.backward_s, n * blk.tp_s
-        epc, cpc = n * blk.ep_s, n * blk.cp_s
-        params, acts, experts = n * p_block, (n - r) * a_none + r * a_rc, n * e_block
+        fwd, bwd, tpc, epc, cpc, rc, params, experts, acts = _stage_blocks(terms, kind_of, pos, n, r)
         for edge, t, p_edge, e_edge, a_edge in (
             (first, pre, p_pre, e_pre, a_pre),
             (last, post, p_post, e_post, a_post),
@@ -423,7 +512,6 @@ def evaluate(
                     cpc + t.cp_s,
                 )
                 params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
-        rc = r * blk.recompute_s
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
         static = stage_state_bytes(params, experts, layout)
         memory = MemoryBreakdown(
@@ -752,45 +840,69 @@ def stage_coefficients(
     options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
-    tp, sp, mb, zero = layout.tp, layout.sequence_parallel, layout.micro_batch, layout.zero
+    tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)
     seq = max(1, inputs.seq_len // layout.cp)
     tp_link = group_link(cluster, tp, 1)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     o = options.tp_overlap
-    blk = _layer_times(inputs.block, layout, gpu, tp_link, seq, o, cluster, moe_share(inputs))
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster)
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
     per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1).static
 
-    def static(layer: LayerCost, extra: float = 0.0) -> float:
-        params, experts = rank_params(layer, tp, layout.ep)
+    def static(params: float, experts: float) -> float:
         if layout.ep == 1:
-            return per_param * (params + extra)
-        return stage_state_bytes(params + extra, experts, layout).static
+            return per_param * params
+        return stage_state_bytes(params, experts, layout).static
 
-    fixed = (
-        cluster.memory_reserve_gib * GIB
-        + zero3_buffer_bytes(inputs.block, tp, zero, layout.pp > 1)
-        + working_bytes(inputs.block, layout.recompute, tp, sp, mb)
-    )
-    t_b = blk.forward_s + blk.backward_s + blk.tp_s + (blk.ep_s + blk.cp_s)
+    def edge_static(layer: LayerCost, extra: float = 0.0) -> float:
+        params, experts = rank_params(layer, tp, layout.ep)
+        return static(params + extra, experts)
+
+    def time(t: _LayerTimes) -> float:
+        return t.forward_s + t.backward_s + t.tp_s + (t.ep_s + t.cp_s)
+
+    buffer, working = _rank_wide_bytes(inputs, layout)
+    fixed = cluster.memory_reserve_gib * GIB + buffer + working
+    kind_time = [time(b.times) for b in terms]
+    kind_extra = [b.times.recompute_s for b in terms]
+    kind_static = [static(b.params, b.experts) for b in terms]
+    kind_act = [b.act for b in terms]
+    kind_act_rc = [b.act_recompute for b in terms]
+    each: dict[str, tuple[float, ...]] = {}
+    if len(terms) > 1:  # blocks differ: the MILP places each as itself; the scalars are their means
+        for name, per_kind in (
+            ("block_times_s", kind_time),
+            ("block_recompute_extras_s", kind_extra),
+            ("block_statics_bytes", kind_static),
+            ("block_acts_bytes", kind_act),
+            ("block_acts_recompute_bytes", kind_act_rc),
+        ):
+            each[name] = tuple(per_kind[k] for k in kind_of)
+
+    def mean(name: str, per_kind: list[float]) -> float:
+        return sum(each[name]) / len(kind_of) if name in each else per_kind[0]
+
+    t_b = mean("block_times_s", kind_time)
+    extra = mean("block_recompute_extras_s", kind_extra)
     return StageCoefficients(
         num_blocks=inputs.num_blocks,
         block_time_s=t_b,
-        block_recompute_extra_s=blk.recompute_s,
-        block_time_recompute_s=t_b + blk.recompute_s,
-        pre_time_s=pre.forward_s + pre.backward_s + pre.tp_s + (pre.ep_s + pre.cp_s),
-        post_time_s=post.forward_s + post.backward_s + post.tp_s + (post.ep_s + post.cp_s),
+        block_recompute_extra_s=extra,
+        block_time_recompute_s=t_b + extra,
+        pre_time_s=time(pre),
+        post_time_s=time(post),
         p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
-        block_static_bytes=static(inputs.block),
-        pre_static_bytes=static(inputs.pre),
-        post_static_bytes=static(inputs.post, inputs.tied_params / tp if layout.pp > 1 else 0.0),
-        block_act_bytes=activation_bytes(inputs.block, "none", tp, sp, mb),
-        block_act_recompute_bytes=activation_bytes(inputs.block, layout.recompute, tp, sp, mb),
-        pre_act_bytes=activation_bytes(inputs.pre, "none", tp, sp, mb),
-        post_act_bytes=activation_bytes(inputs.post, "none", tp, sp, mb),
+        block_static_bytes=mean("block_statics_bytes", kind_static),
+        pre_static_bytes=edge_static(inputs.pre),
+        post_static_bytes=edge_static(inputs.post, inputs.tied_params / tp if layout.pp > 1 else 0.0),
+        block_act_bytes=mean("block_acts_bytes", kind_act),
+        block_act_recompute_bytes=mean("block_acts_recompute_bytes", kind_act_rc),
+        pre_act_bytes=activation_bytes(inputs.pre, "none", tp, layout.sequence_parallel, layout.micro_batch),
+        post_act_bytes=activation_bytes(inputs.post, "none", tp, layout.sequence_parallel, layout.micro_batch),
         inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches),
         fixed_bytes=fixed,
         capacity_bytes=gpu.hbm_gib * GIB - fixed,
+        **each,
     )

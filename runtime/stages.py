@@ -8,7 +8,8 @@ the model in which
 
 - the stage's layers are the original modules (parameters keep their FQNs, so checkpoints are layout-free and the
   plan's tensor_parallel keys match);
-- every layer of another stage is a `Placeholder` without parameters or submodules; it returns *phantoms*: a
+- every layer of another stage that holds parameters is a `Placeholder` without parameters or submodules (a
+  parameter-free layer, e.g. a rotary table computed once in the root, runs on every stage); it returns *phantoms*: a
   one-element zero expanded to the recorded output shape (recorded in a meta-device dry run), so nothing of the
   other stage's size is allocated or computed. While the stage's forward runs, `PhantomMode` (a
   TorchDispatchMode) answers every op that reads a phantom with a phantom of the op's output shape, found on the
@@ -284,7 +285,7 @@ def build_stage(
         next_first = next(x for x in stages[index + 1].layers if x != LOSS_LAYER)
     replacements: dict[str, nn.Module] = {}
     for fqn in all_layers:
-        if fqn in own:
+        if fqn in own or (fqn != next_first and _parameter_free(model.get_submodule(fqn))):
             continue
         replacements[fqn] = Boundary(fqn) if fqn == next_first else Placeholder(fqn, calls[fqn].output, device)
     stage_model = _replace_modules(model, replacements)
@@ -292,6 +293,15 @@ def build_stage(
     recv_layer = own[0] if index > 0 else None
     recv = calls[own[0]].grad_leaves if index > 0 else ()
     return StageModule(TrainingModule(stage_model, loss_fn), index, len(stages), own, send, recv_layer, recv, context)
+
+
+def _parameter_free(module: nn.Module) -> bool:
+    """A layer without parameters (rotary tables, position ids, masks) runs on every stage instead of standing
+    in for another stage: Hugging Face decoders compute the rotary cos/sin once in the root (`rotary_emb`) and
+    pass them to every block, so a later stage's blocks would otherwise read an earlier stage's output. What it
+    computes from real inputs is real on this stage; from another stage's activations, PhantomMode keeps it a
+    phantom and the skip check below names it as before."""
+    return next(module.parameters(), None) is None
 
 
 def _replace_modules(root: nn.Module, replacements: dict[str, nn.Module]) -> nn.Module:

@@ -116,3 +116,37 @@ def test_unet_convolutions_are_priced_and_it_plans_data_parallel() -> None:
     outcome = make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=8, pp=1))
     assert outcome.plan.layout.dp == 2
     assert outcome.plan.predicted.step_time_s > 0
+
+
+def _fp32_plan(family: str, tp: int, pp: int):
+    """The planner's own plan for `family` (pinned to tp x pp, one row per micro-batch), run in fp32."""
+    import dataclasses
+
+    spec = load_model_spec(str(MODELS / "zoo_families.py"), "build", {"family": family})
+    ir = capture(spec, seq_len=16)
+    pins = dict(tp=tp, pp=pp, dp=1, micro_batch=1, vpp=1, recompute="none", sequence_parallel=False, zero=0)
+    plan = make_plan(spec, ir, PlanRequest(num_gpus=tp * pp, global_batch=4, **pins)).plan
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, dtype="fp32"))
+
+
+def _losses(_rank: int, runs: list) -> list[list[float]]:
+    from mlm.runtime.train import train
+
+    return [[r.loss for r in train(plan, opts).records] for plan, opts in runs]
+
+
+def test_zoo_subset_trains_what_one_process_trains() -> None:
+    """mlm-run on plans mlm-plan wrote: Qwen3 (per-head q/k norms, GQA) and Falcon (grouped kv) at tp2, GPT-NeoX
+    (fused QKV, partial rotary) and Phi-3 (fused qkv_proj and gate_up_proj) at pp2 — the rotary table each HF
+    decoder computes once in its root runs on both stages — against one process, 3 steps, SGD and AdamW."""
+    from test_runtime_harness import run_workers
+
+    from mlm.runtime.train import RunOptions
+
+    sgd = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
+    adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
+    cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 1, 2, adamw)]
+    reference = run_workers(1, _losses, [(_fp32_plan(f, 1, 1), o) for f, _, _, o in cases])[0]
+    split = run_workers(2, _losses, [(_fp32_plan(f, tp, pp), o) for f, tp, pp, o in cases])[0]
+    for (family, *_), want, got in zip(cases, reference, split, strict=True):
+        assert len(got) == 3 and got == pytest.approx(want, abs=1e-5), family

@@ -1,32 +1,40 @@
 """Data parallelism and optimizer sharding per the plan's zero stage.
 
-Which wrapper (each rule is a trap seen with torch 2.13, see issue 6):
-- Under pp > 1 with zero 0 and tp == 1: torch's FSDP2-based replicate() (DDP semantics: whole parameters and an
-  fp32 gradient all-reduce over dp). Plain DDP inside a torch.distributed.pipelining stage crashes at step 2 with
-  torch 2.13 (reducer "rebuilt parameter indices size is not same as original model parameters size": the
-  schedule's per-micro-batch backward marks every parameter ready once per micro-batch while the bucket order is
-  being recorded); replicate() is an FSDPModule, whose gradient sync the pipelining stage drives per micro-batch.
-- DDP only when dp > 1, pp == 1, tp == 1, zero == 0 and the schedule is not zero-bubble: DDP around a TP stage
-  fails ("aten.cat.default got mixed torch.Tensor and DTensor") and DDP with a zero-bubble schedule trips a reducer
-  INTERNAL ASSERT.
-- Otherwise FSDP2 (fully_shard over the dp mesh axis, composed with TP's DTensors on the same mesh). zero 3 shards
-  parameters, gradients and optimizer state. zero 1 (shard only optimizer state) has no exact torch equivalent; the
-  closest is fully_shard with reshard_after_forward=False: parameters stay gathered from forward to backward
-  (ZeRO-2-like: gradients and optimizer state sharded). zero 0 with tp > 1 uses the same.
-- Under pp > 1, reshard_after_forward=False always: with a zero-bubble schedule the default True gives silently
-  wrong gradients, and with 1F1B it would re-gather parameters for every micro-batch.
+zero 0 is DDP's semantics on every path (whole fp32 parameters and optimizer state on every replica, gradients
+accumulated over the micro-batches without communication and all-reduced over dp once per step, during or after
+the last micro-batch's backward, in fp32), by one of two torch wrappers:
+- fp32 compute (CPU runs) with tp == 1: torch's DistributedDataParallel (25 MB buckets all-reduced as the last
+  micro-batch's backward produces them), with or without pipelining. Inside a torch.distributed.pipelining stage
+  DDP crashed at step 2 ("rebuilt parameter indices size is not same as original model parameters size"): torch
+  2.13's shape-inference forward calls the DDP module outside no_sync, arming the reducer, so the first
+  micro-batch's backward reduced and the last one reduced again; train.py runs that forward under no_sync.
+- bf16 compute (the CUDA default), or tp > 1: FSDP2's replicate() with the policy below, one group per layer
+  that holds parameters plus the stage (as fully_shard's groups), each group's gradients all-reduced in fp32 as
+  its backward ends in the last micro-batch (pp == 1) or at the pipeline's reduce step (pp > 1). Not DDP, because
+  DDP's mixed precision (`_MixedPrecision`, experimental) accumulates gradients in bf16 under no_sync and swaps
+  parameter storage in forward, which the pipeline's in-flight micro-batches would see; and DDP around a TP stage
+  fails ("aten.cat.default got mixed torch.Tensor and DTensor"), while replicate() over the dp mesh composes with
+  TP's DTensors as fully_shard does. DDP with a zero-bubble schedule trips a reducer INTERNAL ASSERT, so those
+  schedules use replicate() too.
 
-Dtypes (Megatron / torchtitan): with a bf16 compute dtype (the default on CUDA) every wrapper is FSDP2-based with
+zero 1 / 3: FSDP2 fully_shard over the dp mesh axis (composed with TP's DTensors on the same mesh). zero 3 shards
+parameters, gradients and optimizer state. zero 1 (shard only optimizer state) has no exact torch equivalent; the
+closest is fully_shard with reshard_after_forward=False: parameters stay gathered from forward to backward
+(ZeRO-2-like: gradients and optimizer state sharded). Under pp > 1, reshard_after_forward=False always: with a
+zero-bubble schedule the default True gives silently wrong gradients, and with 1F1B it would re-gather parameters
+for every micro-batch.
+
+Dtypes (Megatron / torchtitan): with a bf16 compute dtype every wrapper is FSDP2-based with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the parameters FSDP2 holds (sharded, or whole under
-replicate()) are the fp32 master weights the optimizer steps; forward and backward run on a bf16 copy gathered
-per layer group; gradients are reduced (and kept) in fp32. So under bf16, zero 0 with pp == 1 and tp == 1 uses
-replicate() instead of DDP (DDP has no such policy), and dp == 1 uses fully_shard over the one-rank dp mesh (no
-communication: only the bf16 cast). With fp32 compute (CPU runs) the wrappers are as above, without a policy.
+replicate()) are the fp32 master weights the optimizer steps; forward and backward run on a bf16 copy made per
+layer group; gradients are accumulated, reduced and kept in fp32. dp == 1 uses fully_shard over the one-rank dp
+mesh (no communication: only the bf16 cast). With fp32 compute the wrappers are as above, without a policy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -51,9 +59,9 @@ def choose_data_parallel(
     mixed = compute_dtype != torch.float32
     if layout.dp == 1:
         return DataParallelChoice("fsdp" if mixed else "none", False)
-    zero_bubble = schedule in ZERO_BUBBLE_SCHEDULES
-    if layout.tp == 1 and layout.zero == 0 and not zero_bubble:
-        return DataParallelChoice("ddp" if layout.pp == 1 and not mixed else "replicate", False)
+    if layout.zero == 0:
+        ddp = not mixed and layout.tp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES
+        return DataParallelChoice("ddp" if ddp else "replicate", False)
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 
 
@@ -82,22 +90,19 @@ def apply_data_parallel(
 
         return DDP(stage, process_group=dp_mesh.get_group())
     mp = mixed_precision(compute_dtype)
-    if choice.wrapper == "replicate":
-        try:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-        except ImportError:  # a torch without it: FSDP2 without resharding computes the same gradients
-            choice = DataParallelChoice("fsdp", False)
-        else:
-            replicate(stage, mesh=dp_mesh, mp_policy=mp)
-            return stage
     from torch.distributed.fsdp import fully_shard
 
+    wrap: Any = partial(fully_shard, reshard_after_forward=choice.reshard_after_forward)
+    if choice.wrapper == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        wrap = replicate
     shared = _params_shared_between(layer_modules)
-    for module in layer_modules:
+    for module in layer_modules:  # one group per layer: its reduction starts as its backward ends
         params = list(module.parameters())
         if params and not any(id(p) in shared for p in params):
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=choice.reshard_after_forward, mp_policy=mp)
+            wrap(module, mesh=dp_mesh, mp_policy=mp)
+    wrap(stage, mesh=dp_mesh, mp_policy=mp)
     return stage
 
 

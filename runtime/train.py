@@ -368,16 +368,22 @@ def _build_schedule(
 
 def _pause_during_shape_inference(stage: Any, counters: tuple[Any, ...]) -> None:
     """The first step's extra forward that infers a stage's input/output shapes (torch 2.13, on empty tensors)
-    must not count loss tokens nor advance the dropout micro-batch index."""
+    must not count loss tokens nor advance the dropout micro-batch index. Under DDP it also runs in no_sync:
+    torch calls the DDP module directly there (not via forward_maybe_with_nosync), so DDP's forward would arm
+    its reducer for a backward that never comes; the next micro-batch's backward then reduced early and the
+    last one again, recording every parameter twice (the step-2 assert "rebuilt parameter indices size is not
+    same as original model parameters size (26 vs 52)")."""
     infer = getattr(stage, "_forward_metadata_inference", None)
     if infer is None:
         return
+    no_sync = getattr(stage.submod, "no_sync", None)
 
     def paused(*args: Any, **kwargs: Any) -> Any:
         for c in counters:
             c.paused = True
         try:
-            return infer(*args, **kwargs)
+            with no_sync() if no_sync is not None else contextlib.nullcontext():
+                return infer(*args, **kwargs)
         finally:
             for c in counters:
                 c.paused = False

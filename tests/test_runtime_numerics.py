@@ -110,7 +110,7 @@ def test_loss_is_the_global_token_mean(model_file: Path) -> None:
 
 def test_dp_and_pp_match_one_process_with_dropout(model_file: Path) -> None:
     """Dropout 0.1 everywhere, SGD and AdamW: dp2 (DDP), dp2 zero 3 (FSDP2), pp2 (1F1B over 4 micro-batches) and
-    pp2 x dp2 zero 0 (replicate()) draw one device's masks and train what it trains."""
+    pp2 x dp2 zero 0 (DDP inside the pipeline stages) draw one device's masks and train what it trains."""
     ref_plan = _plan(model_file, 0.1, micro_batch=1, num_microbatches=4)
     no_dropout = _plan(model_file, 0.0, micro_batch=1, num_microbatches=4)
     refs = run_workers(1, _train, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (no_dropout, OPTS["sgd"])])

@@ -129,7 +129,7 @@ def default_seq_len(attrs: dict[str, Attribute]) -> tuple[int, str]:
     context = attrs.get("context")
     if context is None:
         return DEFAULT_SEQ_CAP, f"seq_len {DEFAULT_SEQ_CAP} (model context unknown; pass --seq-len to change)"
-    value, name = context
+    value, name = context.value, context.name
     if value <= DEFAULT_SEQ_CAP:
         return value, f"seq_len {value} (the model context, {name}; pass --seq-len to change)"
     return DEFAULT_SEQ_CAP, f"seq_len {DEFAULT_SEQ_CAP} (model context {value} from {name}; pass --seq-len to change)"

@@ -20,16 +20,19 @@ from mlm.runtime.train import check_plan_runnable, schedule_name
 
 
 def test_data_parallel_choice_avoids_the_known_traps() -> None:
-    # DDP only for tp == 1, zero 0 and a non-zero-bubble schedule (DDP + TP: mixed Tensor/DTensor; DDP + ZB:
-    # reducer assert); under pp > 1 FSDP never reshards after forward (ZB schedules give wrong grads otherwise)
+    # zero 0 is DDP semantics everywhere: torch's DDP for fp32 at tp 1 outside zero-bubble schedules (pipelining
+    # included), FSDP2's replicate() otherwise (bf16, DDP + TP: mixed Tensor/DTensor; DDP + ZB: reducer assert);
+    # under pp > 1 FSDP never reshards after forward (ZB schedules give wrong grads otherwise)
     assert choose_data_parallel(Layout(dp=2), "1f1b").wrapper == "ddp"
-    assert choose_data_parallel(Layout(dp=2, pp=2), "1f1b").wrapper == "replicate"  # DDP crashes inside a stage
-    assert choose_data_parallel(Layout(dp=2, tp=2), "none").wrapper == "fsdp"
-    assert choose_data_parallel(Layout(dp=2, pp=2), "zbv").wrapper == "fsdp"
+    assert choose_data_parallel(Layout(dp=2, pp=2), "1f1b").wrapper == "ddp"
+    assert choose_data_parallel(Layout(dp=2, pp=2), "1f1b", torch.bfloat16).wrapper == "replicate"
+    assert choose_data_parallel(Layout(dp=2, tp=2), "none").wrapper == "replicate"
+    assert choose_data_parallel(Layout(dp=2, pp=2), "zbv").wrapper == "replicate"
     assert choose_data_parallel(Layout(dp=2, pp=2, zero=3), "zbv").reshard_after_forward is False
     assert choose_data_parallel(Layout(dp=2, pp=2, zero=3), "1f1b").reshard_after_forward is False
     assert choose_data_parallel(Layout(dp=2, zero=3), "none").reshard_after_forward is True
-    assert choose_data_parallel(Layout(dp=2, zero=1), "none") == choose_data_parallel(Layout(dp=2, tp=2), "none")
+    zero1 = choose_data_parallel(Layout(dp=2, zero=1), "none")
+    assert zero1 == choose_data_parallel(Layout(dp=2, tp=2, zero=1), "none")
     assert choose_data_parallel(Layout(dp=1, tp=2), "none").wrapper == "none"
 
 

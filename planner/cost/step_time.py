@@ -43,9 +43,10 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
               as much backward (K/V and dK/dV), hidden under the attention compute up to its time. Gradients
               (and ZeRO shards) reduce over dp·cp.
 
-Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s + ep_comm_s + cp_comm_s (the busiest
-pipeline rank's per-micro-batch terms x m; compute_s holds GEMMs, attention and memory-bound ops) + bubble_s +
-dp_comm_s (exposed part) + optimizer_s, exactly. ep = cp = 1 gives the numbers of the model without them.
+Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s + ep_comm_s + cp_comm_s (the last two only
+when ep > 1, cp > 1; the busiest pipeline rank's per-micro-batch terms x m; compute_s holds GEMMs, attention and
+memory-bound ops) + bubble_s + dp_comm_s (exposed part) + optimizer_s, exactly. ep = cp = 1 gives the numbers of the
+model without them.
 
 Calibration: each GPU profile's GEMM and attention curves are its prior times one compute factor fitted on the
 train rows of the published runs in profiles/calibration/ and checked on held-out rows (planner/cost/calibration.py,
@@ -780,13 +781,15 @@ def _assemble(
         "compute_s": m * (ranks.forward[b] + ranks.backward[b]),
         "tp_comm_s": m * ranks.tp[b],
         "pp_comm_s": m * ranks.pp[b],
-        "ep_comm_s": m * ranks.ep[b],
-        "cp_comm_s": m * ranks.cp[b],
         "dp_comm_s": dp_s,
         "bubble_s": bubble,
         "recompute_s": m * ranks.recompute[b],
         "optimizer_s": opt_s,
     }
+    if layout.ep > 1:  # the terms of ep and cp appear only where they are used (plan.json's breakdown stays as it was)
+        breakdown["ep_comm_s"] = m * ranks.ep[b]
+    if layout.cp > 1:
+        breakdown["cp_comm_s"] = m * ranks.cp[b]
     step = pipe + dp_s + opt_s
     rank_memory = tuple(MemoryBreakdown(*mem) for mem in ranks.memory)
     capacity = gpu.hbm_gib * GIB

@@ -74,12 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
         description="Capture MODEL on the meta device (no weights), estimate compute, memory and communication on "
-        "the target cluster, and choose tensor/pipeline/data parallel sizes, micro-batch, recompute, "
+        "the target cluster, and choose tensor/pipeline/data/context/expert parallel sizes, micro-batch, recompute, "
         "sequence parallelism and optimizer sharding. Prints the layout; --out writes plan.json.",
     )
     model_arguments(parser)
     parser.add_argument("--gpus", type=int, help="number of GPUs to plan for")
     layout_arguments(parser)
+    parser.add_argument(
+        "--cp", type=int, help="pin context-parallel size (each sequence split over cp ranks, ring attention)"
+    )
+    parser.add_argument(
+        "--ep", type=int, help="pin expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks)"
+    )
     parser.add_argument("--top", type=int, default=5, help="alternatives to show and store (default 5)")
     parser.add_argument("--out", help="write plan.json here")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")

@@ -16,12 +16,14 @@ BREAKDOWN_LABELS = {
     "compute_s": "compute",
     "tp_comm_s": "tensor-parallel communication",
     "pp_comm_s": "pipeline send/recv",
+    "ep_comm_s": "expert all-to-all (dispatch + combine)",
+    "cp_comm_s": "context-parallel K/V ring exchange",
     "dp_comm_s": "data-parallel gradient sync",
     "bubble_s": "pipeline bubble",
     "recompute_s": "recompute",
     "optimizer_s": "optimizer step",
 }
-DIMENSIONS = ("tp", "pp", "dp", "micro_batch", "vpp", "sequence_parallel", "recompute", "zero")
+DIMENSIONS = ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "sequence_parallel", "recompute", "zero")
 
 
 def why_slower(cand: Candidate, best: Candidate) -> str:
@@ -59,7 +61,7 @@ def alternatives(result: SearchResult, k: int) -> list[dict[str, object]]:
     return rows
 
 
-MESH = ("tp", "pp", "dp")
+MESH = ("tp", "pp", "dp", "cp")
 # a layout's evaluation (with these blocks per stage, None: balanced), or why it cannot run
 WhatIf = Callable[[Layout, "tuple[int, ...] | None"], "Evaluation | str"]
 
@@ -67,7 +69,7 @@ WhatIf = Callable[[Layout, "tuple[int, ...] | None"], "Evaluation | str"]
 def explain_dimensions(
     result: SearchResult, what_if: WhatIf | None = None, pinned: frozenset[str] = frozenset()
 ) -> dict[str, str]:
-    """For each dimension, why it took its value. Mesh sizes (tp, pp, dp) move together, so they are compared with
+    """For each dimension, why it took its value. Mesh sizes (tp, pp, dp, cp) move together, so they are compared with
     the best layout that has another value there (named, since it differs elsewhere too). The other dimensions
     are compared all else equal: the chosen layout with only that dimension changed, taken from the ranking or,
     when the search pruned it (e.g. more recompute than needed), evaluated through `what_if` on the chosen
@@ -125,6 +127,7 @@ def _one_change_reason(result: SearchResult, dim: str, chosen: object, what_if: 
             "vpp": "no pipeline (pp=1), so nothing to interleave",
             "zero": "dp=1, so nothing to shard",
             "sequence_parallel": "sequence parallelism needs tp > 1",
+            "ep": "no other expert-parallel size divides dp·cp and the experts (1 for a dense model)",
         }.get(dim, "the only value possible here")
         return f"{dim}={chosen}: {why}"
     return f"{dim}={chosen}: all else equal, " + "; ".join(parts)
@@ -135,7 +138,9 @@ def _other_values(lay: Layout, dim: str) -> list[object]:
     if dim == "recompute":
         return [r for r in RECOMPUTE_CHOICES if r != lay.recompute]
     if dim == "zero":
-        return [z for z in ZERO_CHOICES if z != lay.zero] if lay.dp > 1 else []
+        return [z for z in ZERO_CHOICES if z != lay.zero] if lay.dp * lay.cp > 1 else []
+    if dim == "ep":  # layout_problem (through what_if) says when the experts do not split that way
+        return [e for e in (lay.ep // 2, lay.ep * 2) if e >= 1 and e != lay.ep and (lay.dp * lay.cp) % e == 0]
     if dim == "sequence_parallel":
         return [not lay.sequence_parallel] if lay.tp > 1 else []
     if dim == "vpp":

@@ -1,20 +1,20 @@
 """Search for the fastest layout that fits, pruned only by valid bounds, so that pinning a field can never
 find a faster layout than leaving it free.
 
-Outer choices (tp, pp, dp, micro-batch, vpp, sequence parallelism, recompute, zero) are enumerated once
-divisibility rules are applied: every micro-batch dividing the per-replica batch, every vpp that splits the
-blocks evenly. A (tp, pp, dp, zero) group is dropped only when its least memory-hungry variant (micro-batch 1,
-vpp 1, sequence parallelism, full or selective recompute) fits under no assignment of blocks to stages
-(stage_milp.memory_may_fit). Every other variant is queued with a lower bound on its step time (the pipeline
-time with the blocks' work spread evenly, no recompute; dp and optimizer time ≥ 0) and processed best first:
-evaluated with balanced stages, then given the stage MILP (planner/search/stage_milp.py: uneven blocks per stage,
-per-stage recompute counts) unless a bound shows the MILP cannot beat the best found: integer blocks without
-memory (_integer_bound), the LP relaxation (stage_milp.pipeline_lower_bound), or balanced stages that already
-give a recompute-free layout the shortest busiest rank possible (then recompute only adds time). Processing stops
-when the next bound reaches the best step time. Afterwards enough of the rest is evaluated for the report (the
-top-k runners-up, the best rival per mesh dimension). A MILP stopped at its time limit is reported in
-SearchResult.notes (plan.json warnings).
-"""
+Outer choices (tp, pp, dp, cp, ep, micro-batch, vpp, sequence parallelism, recompute, zero) are enumerated once
+divisibility rules are applied: every micro-batch dividing the per-replica batch, every vpp that splits the blocks
+evenly, every cp dividing the GPUs whose 2·cp causal chunks split the sequence, every ep dividing dp·cp and the
+experts (ep = 1 for a dense model). A (tp, pp, dp, cp, ep, zero) group is dropped only when its least memory-hungry
+variant (micro-batch 1, vpp 1, sequence parallelism, full or selective recompute) fits under no assignment of blocks
+to stages (stage_milp.memory_may_fit). Every other variant is queued with a lower bound on its step time (the
+pipeline time with the blocks' work spread evenly, no recompute; dp and optimizer time ≥ 0) and processed best
+first: evaluated with balanced stages, then given the stage MILP (planner/search/stage_milp.py: uneven blocks per
+stage, per-stage recompute counts) unless a bound shows the MILP cannot beat the best found: integer blocks without
+memory (_integer_bound), the LP relaxation (stage_milp.pipeline_lower_bound), or balanced stages that already give a
+recompute-free layout the shortest busiest rank possible (then recompute only adds time). Processing stops when the
+next bound reaches the best step time. Afterwards enough of the rest is evaluated for the report (the top-k runners-
+up, the best rival per mesh dimension). A MILP stopped at its time limit is reported in SearchResult.notes
+(plan.json warnings)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from mlm.planner.capture.graph import ModelIR
+from mlm.planner.capture.graph import ModelIR, MoEIR
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
@@ -39,6 +39,7 @@ from mlm.planner.search.stage_milp import (
 )
 
 UNLIMITED = 1 << 30
+Group = tuple[int, int, int, int, int, int]  # tp, pp, dp, cp, ep, zero
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class PlanRequest:
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
+    cp: int | None = None
+    ep: int | None = None
     micro_batch: int | None = None
     vpp: int | None = None
     recompute: str | None = None
@@ -64,6 +67,8 @@ class PlanRequest:
 
     @property
     def fully_pinned(self) -> bool:
+        """Every dimension but cp and ep pinned: that one layout is evaluated, with cp and ep as pinned or 1
+        (pinned_layout; make_plan says so in the warnings when they were not pinned)."""
         return None not in (
             self.tp,
             self.pp,
@@ -152,11 +157,10 @@ class _Search:
         self.evaluated += 1
         return evaluate(self.inputs, layout, self.gpu, self.cluster)
 
-    def enumerate_group(self, group: tuple[int, int, int, int]) -> None:
+    def enumerate_group(self, group: Group) -> None:
         """Queue every variant of a group with its lower bound (evaluated later, only if the bound can win),
         unless the group's least-memory probe proves that nothing in it fits."""
-        tp, pp, dp, zero = group
-        probe = _least_memory_layout(self.request, tp, pp, dp, zero, self.ir)
+        probe = _least_memory_layout(self.request, group, self.ir)
         if probe is None:
             return
         ev = self.evaluate(probe)
@@ -166,7 +170,7 @@ class _Search:
         if not ev.fits and not self._may_fit(probe, ev):
             self.misses.append(Candidate(probe, ev))
             return
-        for _, levels in _variants(self.ir, self.request, tp, pp, dp, zero):
+        for _, levels in _variants(self.ir, self.request, group):
             bound = self._cheap_bound(levels[0])  # recompute does not enter the bound: one for all levels
             for layout in levels:
                 self._push(bound, layout, None)
@@ -251,7 +255,7 @@ class _Search:
         if not self.feasible:
             return
         best = min(self.feasible.values(), key=lambda c: c.evaluation.step_time_s).layout
-        dims = ("tp", "pp", "dp")
+        dims = ("tp", "pp", "dp", "cp", "ep")
         times = sorted(c.evaluation.step_time_s for c in self.feasible.values())
         rivals = {d: math.inf for d in dims}
         for c in self.feasible.values():
@@ -511,12 +515,16 @@ def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster:
 
 
 def pinned_layout(ir: ModelIR, request: PlanRequest) -> Layout:
+    """The layout a fully pinned request names (cp and ep 1 unless pinned, or cp implied by a pinned dp)."""
     assert request.tp and request.pp and request.micro_batch and request.vpp is not None
-    dp = request.num_gpus // (request.tp * request.pp)
+    cp = request.cp or (request.num_gpus // (request.tp * request.pp * request.dp) if request.dp else 1)
+    dp = request.num_gpus // (request.tp * request.pp * max(cp, 1))
     layout = Layout(
         tp=request.tp,
         pp=request.pp,
         dp=dp,
+        cp=cp,
+        ep=request.ep or 1,
         micro_batch=request.micro_batch,
         num_microbatches=request.global_batch // (dp * request.micro_batch),
         vpp=request.vpp,
@@ -542,18 +550,31 @@ def validate_request(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile)
         raise Infeasible(
             f"{n} GPUs is not a whole number of {cluster.name} nodes ({node} GPUs each): use {lower} or {upper}"
         )
-    for name in ("tp", "pp", "dp", "micro_batch", "vpp"):
+    for name in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp"):
         value = getattr(request, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be >= 1")
-    pinned = [getattr(request, k) for k in ("tp", "pp", "dp") if getattr(request, k)]
+    pinned = [getattr(request, k) for k in ("tp", "pp", "dp", "cp") if getattr(request, k)]
     product = 1
     for v in pinned:
         product *= v
     if n % product:
-        raise Infeasible(f"tp·pp·dp pinned to {product} does not divide {n} GPUs")
-    if request.tp and request.pp and request.dp and request.tp * request.pp * request.dp != n:
-        raise Infeasible(f"tp·pp·dp = {request.tp * request.pp * request.dp} but --gpus is {n}")
+        raise Infeasible(f"tp·pp·dp·cp pinned to {product} does not divide {n} GPUs")
+    if request.tp and request.pp and request.dp and request.cp and product != n:
+        raise Infeasible(f"tp·pp·dp·cp = {product} but --gpus is {n}")
+    if request.ep and request.ep > 1 and not ir.num_experts:
+        raise Infeasible(
+            f"--ep {request.ep} needs a mixture-of-experts model, and capture found no routed experts: use --ep 1"
+        )
+    if request.ep and ir.num_experts and any(m.num_experts % request.ep for m in _moe(ir)):
+        raise Infeasible(
+            f"--ep {request.ep} does not divide the {ir.num_experts} experts of each MoE layer: use a divisor"
+        )
+    if request.cp and request.cp > 1 and ir.seq_len % (2 * request.cp):
+        raise Infeasible(
+            f"--cp {request.cp} splits each sequence into 2·cp = {2 * request.cp} load-balanced causal chunks, "
+            f"which seq_len {ir.seq_len} is not divisible into: use a cp with seq_len divisible by 2·cp"
+        )
     if request.tp and request.tp > node:
         raise Infeasible(
             f"--tp {request.tp} exceeds the {node} GPUs of one {cluster.name} node: tensor "
@@ -602,7 +623,19 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
         return "the interleaved schedule needs pp > 1 and micro-batches divisible by pp"
     if layout.sequence_parallel and layout.tp == 1:
         return "sequence parallelism needs tp > 1"
+    if layout.cp > 1 and ir.seq_len % (2 * layout.cp):
+        return f"cp {layout.cp}: seq_len {ir.seq_len} does not split into 2·cp load-balanced causal chunks"
+    if (layout.dp * layout.cp) % layout.ep:
+        return f"ep {layout.ep} does not divide dp·cp = {layout.dp * layout.cp} (expert ranks come from them)"
+    if layout.ep > 1 and not ir.num_experts:
+        return f"ep {layout.ep} needs routed experts, and the model has none"
+    if any(m.num_experts % layout.ep for m in _moe(ir)):
+        return f"ep {layout.ep} does not divide the {ir.num_experts} experts of each MoE layer"
     return None
+
+
+def _moe(ir: ModelIR) -> list[MoEIR]:
+    return [layer.moe for layer in getattr(ir, "moe_layers", ()) if layer.moe is not None]
 
 
 def _divisors(n: int) -> list[int]:
@@ -626,24 +659,44 @@ def _dp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> l
     for tp in _tp_options(ir, request, cluster) or [1]:
         for pp in _divisors(request.num_gpus // tp) if request.num_gpus % tp == 0 else []:
             if (request.pp is None or pp == request.pp) and pp <= max(ir.num_layers, 1):
-                out.add(request.num_gpus // (tp * pp))
+                for cp in _cp_options(ir, request, request.num_gpus // (tp * pp)):
+                    out.add(request.num_gpus // (tp * pp * cp))
     return sorted(out)
 
 
-def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Iterator[tuple[int, int, int, int]]:
+def _cp_options(ir: ModelIR, request: PlanRequest, rest: int) -> list[int]:
+    """Context-parallel sizes dividing `rest` GPUs whose 2·cp causal chunks split the sequence (pinned: that)."""
+    if request.cp:
+        return [request.cp] if rest % request.cp == 0 else []
+    return [c for c in _divisors(rest) if c == 1 or ir.seq_len % (2 * c) == 0]
+
+
+def _ep_options(ir: ModelIR, request: PlanRequest, dp_cp: int) -> list[int]:
+    """Expert-parallel sizes: divisors of dp·cp dividing every MoE layer's experts (1 for a dense model)."""
+    moe = _moe(ir)
+    if request.ep:
+        return [request.ep]
+    if not moe:
+        return [1]
+    return [e for e in _divisors(dp_cp) if all(m.num_experts % e == 0 for m in moe)]
+
+
+def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Iterator[Group]:
     zeros = [request.zero] if request.zero is not None else list(ZERO_CHOICES)
     for tp in _tp_options(ir, request, cluster):
         rest = request.num_gpus // tp
         for pp in [request.pp] if request.pp else _divisors(rest):
             if rest % pp or pp > ir.num_layers:
                 continue
-            dp = rest // pp
-            if (request.dp and dp != request.dp) or request.global_batch % dp:
-                continue
-            for zero in zeros:
-                if zero and dp == 1:
-                    continue  # nothing to shard over
-                yield tp, pp, dp, zero
+            for cp in _cp_options(ir, request, rest // pp):
+                dp = rest // (pp * cp)
+                if (request.dp and dp != request.dp) or request.global_batch % dp:
+                    continue
+                for ep in _ep_options(ir, request, dp * cp):
+                    for zero in zeros:
+                        if zero and dp * cp == 1:
+                            continue  # nothing to shard over
+                        yield tp, pp, dp, cp, ep, zero
 
 
 def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
@@ -654,7 +707,8 @@ def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
     return _divisors(per_replica)
 
 
-def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: int, ir: ModelIR) -> Layout | None:
+def _least_memory_layout(request: PlanRequest, group: Group, ir: ModelIR) -> Layout | None:
+    tp, pp, dp, cp, ep, zero = group
     mbs = _micro_batches(request, dp)
     if not mbs:
         return None
@@ -664,6 +718,8 @@ def _least_memory_layout(request: PlanRequest, tp: int, pp: int, dp: int, zero: 
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
+        ep=ep,
         micro_batch=mb,
         num_microbatches=request.global_batch // (dp * mb),
         vpp=1,
@@ -685,11 +741,10 @@ def _vpp_options(ir: ModelIR, request: PlanRequest, pp: int) -> list[int]:
     return [v for v in range(1, ir.num_layers // pp + 1) if v == 1 or ir.num_layers % (pp * v) == 0]
 
 
-def _variants(
-    ir: ModelIR, request: PlanRequest, tp: int, pp: int, dp: int, zero: int
-) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
+def _variants(ir: ModelIR, request: PlanRequest, group: Group) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
     """For each micro-batch (increasing), vpp and sp: the key (vpp, sp) and the runnable layouts in increasing
     recompute order."""
+    tp, pp, dp, cp, ep, zero = group
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
     sps = (
         [request.sequence_parallel] if request.sequence_parallel is not None else ([False, True] if tp > 1 else [False])
@@ -705,6 +760,8 @@ def _variants(
                         tp=tp,
                         pp=pp,
                         dp=dp,
+                        cp=cp,
+                        ep=ep,
                         micro_batch=mb,
                         num_microbatches=m,
                         vpp=vpp,
@@ -737,7 +794,7 @@ def _no_fit_message(
     need = smallest_gpu_count(ir, request, gpu, cluster)
     pinned = any(
         getattr(request, k) is not None
-        for k in ("tp", "pp", "dp", "micro_batch", "vpp", "recompute", "sequence_parallel", "zero")
+        for k in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "vpp", "recompute", "sequence_parallel", "zero")
     )
     with_pins = " with the pinned choices" if pinned else ""
     # smallest_gpu_count only looks above the request, so a hint never contradicts the failure it explains
@@ -770,8 +827,8 @@ def smallest_gpu_count(
             validate_request(ir, req, cluster)
         except PlanError:
             return False
-        for tp, pp, dp, zero in _groups(ir, req, cluster):
-            probe = _least_memory_layout(req, tp, pp, dp, zero, ir)
+        for group in _groups(ir, req, cluster):
+            probe = _least_memory_layout(req, group, ir)
             if probe is None:
                 continue
             ev = evaluate(inputs, probe, gpu, cluster)

@@ -55,7 +55,7 @@ def make_plan(
         alts: list[dict[str, object]] = []
         how = "evaluated the pinned layout"
         explanations = {"layout": "every dimension was pinned on the command line"}
-        notes: list[str] = []
+        notes = _unpinned_mesh_notes(ir, request)
     else:
         result = search(ir, request, gpu, cluster)
         result, sharding = _first_shardable(result, shard, request.top_k)
@@ -67,6 +67,8 @@ def make_plan(
         )
         explanations = explain_dimensions(result, _what_if(ir, request, gpu, cluster), _pinned(request))
         notes = list(result.notes)
+        if not ir.num_experts and "ep" not in _pinned(request):
+            explanations["ep"] = "ep=1: the model has no routed experts for expert parallelism to split"
         if shard.skipped:
             explanations["skipped"] = skipped_summary(shard.skipped)
             notes.append(explanations["skipped"])
@@ -87,6 +89,16 @@ def make_plan(
         ),
     }
     return PlanOutcome(plan=plan, result=result, summary=summary, explanations=explanations)
+
+
+def _unpinned_mesh_notes(ir: ModelIR, request: PlanRequest) -> list[str]:
+    """Sentences for a fully pinned request that left cp or ep out (evaluated at 1, or cp as a pinned dp implies)."""
+    out = []
+    if request.cp is None and not request.dp:
+        out.append("--cp not pinned while every other dimension was: evaluated cp 1 (pin --cp to change)")
+    if request.ep is None and ir.num_experts:
+        out.append("--ep not pinned while every other dimension was: evaluated ep 1 (pin --ep to change)")
+    return out
 
 
 def tp_cost(gpu: GPUProfile, cluster: ClusterProfile, tp: int) -> TPCost:

@@ -29,6 +29,8 @@ def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) 
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        cp=getattr(args, "cp", None),
+        ep=getattr(args, "ep", None),
         micro_batch=args.micro_batch,
         vpp=args.vpp,
         recompute=args.recompute,
@@ -93,7 +95,8 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
         f"{plan.training.seq_len} tokens"
     )
     console.print(
-        f"[bold green]layout[/]  mesh pp {lay.pp} × dp {lay.dp} × tp {lay.tp}"
+        f"[bold green]layout[/]  mesh pp {lay.pp} × dp {lay.dp}{f' × cp {lay.cp}' if lay.cp > 1 else ''} × tp {lay.tp}"
+        f"{f' · experts over ep {lay.ep}' if lay.ep > 1 else ''}"
         f"{' + sequence parallel' if lay.sequence_parallel else ''} · micro-batch {lay.micro_batch} × "
         f"{lay.num_microbatches} · {sched[lay.schedule]} · recompute {lay.recompute} · zero {lay.zero}"
     )

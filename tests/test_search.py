@@ -115,11 +115,11 @@ def test_model_that_fits_nowhere_says_the_smallest_gpu_count(gpt3) -> None:
 def test_indivisible_batch_and_partial_nodes_are_rejected_with_a_fix(small) -> None:
     _, ir = small
     with pytest.raises(Infeasible, match="try --global-batch"):
-        search(ir, PlanRequest(num_gpus=64, global_batch=63, tp=1, pp=1), *A100)
+        search(ir, PlanRequest(num_gpus=64, global_batch=63, tp=1, pp=1, cp=1), *A100)  # cp 64 would run it
     with pytest.raises(Infeasible, match="use 8 or 16"):
         search(ir, PlanRequest(num_gpus=12, global_batch=512), *A100)
     with pytest.raises(PlanError, match="tp·pp·dp"):
-        search(ir, PlanRequest(num_gpus=32, global_batch=512, tp=2, pp=2, dp=2), *A100)
+        search(ir, PlanRequest(num_gpus=32, global_batch=512, tp=2, pp=2, dp=2, cp=1), *A100)
 
 
 def test_milp_gives_the_heavy_last_stage_fewer_blocks() -> None:

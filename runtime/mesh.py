@@ -42,11 +42,13 @@ class MeshInfo:
 
 
 def check_supported(layout: Layout) -> None:
-    if layout.cp != 1:
-        raise Infeasible(
-            f"layout.cp = {layout.cp}: context parallelism is not supported by mlm-run yet; "
-            f"plan with --cp 1 (or leave it out)"
-        )
+    """mlm-run executes tp, pp, dp and ZeRO; context and expert parallelism are planned but not run yet."""
+    for name, size, what in (("cp", layout.cp, "context"), ("ep", getattr(layout, "ep", 1), "expert")):
+        if size != 1:
+            raise Infeasible(
+                f"layout.{name} = {size}: {what} parallelism is planned by mlm-plan but not run by mlm-run yet; "
+                f"plan with --{name} 1"
+            )
 
 
 def build_mesh(layout: Layout, device_type: str) -> MeshInfo:

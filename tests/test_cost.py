@@ -176,8 +176,6 @@ def test_breakdown_adds_up(gpt3, hw, kw):
         "compute_s",
         "tp_comm_s",
         "pp_comm_s",
-        "ep_comm_s",
-        "cp_comm_s",
         "dp_comm_s",
         "bubble_s",
         "recompute_s",

@@ -348,9 +348,13 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
     False)."""
     original = nn.Module.register_parameter
     moved: dict[int, tuple[weakref.ref, nn.Parameter]] = {}  # weak: ids of freed parameters are reused
+    made: dict[int, nn.Parameter] = {}  # the parameters this context created (held, so their ids stay theirs)
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is None or param.is_meta:
+        if param is None or param.is_meta or id(param) in made:
+            # `made`: one of ours re-registered (a tie such as wte.weight = lm_head.weight). Under FakeTensorMode
+            # ours are not is_meta (the copied __dict__ carries the fake tensor's cpu fake_device), so without
+            # this the tie would get a second, untied parameter
             return original(module, name, param)
         seen = moved.get(id(param))
         if seen is not None and seen[0]() is param:
@@ -369,6 +373,7 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
             recorder.live[_key(meta)] = recipe
         recipes[id(meta)] = recipe
         moved[id(param)] = (weakref.ref(param), meta)
+        made[id(meta)] = meta
         return original(module, name, meta)
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]

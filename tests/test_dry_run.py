@@ -45,12 +45,6 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under FakeTensorMode the meta build (runtime/model_build.py) unties lm_head.weight from wte.weight "
-    "(a FakeTensor, not the shared Parameter): the fake run holds the tied embedding twice, +3.8% on this plan "
-    "(measured 6.30 MB fake vs 6.07 MB real); issue 12",
-)
 def test_fake_execution_allocates_what_real_tensors_allocate(plans: dict[str, Path]) -> None:
     """The same step on real and on fake tensors: equal peaks per category (fake tensors carry real sizes)."""
     code = (

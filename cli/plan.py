@@ -81,10 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, help="number of GPUs to plan for")
     layout_arguments(parser)
     parser.add_argument(
-        "--cp", type=int, help="pin context-parallel size (each sequence split over cp ranks, ring attention)"
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size (each sequence split over cp ranks, ring attention); default 1 because mlm-run "
+        "does not run cp yet; 0 = search it",
     )
     parser.add_argument(
-        "--ep", type=int, help="pin expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks)"
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 1 because "
+        "mlm-run does not run ep yet; 0 = search it",
     )
     parser.add_argument("--top", type=int, default=5, help="alternatives to show and store (default 5)")
     parser.add_argument("--out", help="write plan.json here")

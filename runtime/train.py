@@ -264,8 +264,11 @@ def _build_runtime(
 def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callable[[], contextlib.ExitStack]:
     """Contexts around forward + backward under tensor parallelism: loss_parallel must enclose the backward too
     (so it wraps the whole schedule step); implicit_replication lets user code mix plain tensors (rotary tables,
-    masks) with DTensors; on CPU, attention uses the math kernel because DTensor has no sharding rule for the
-    CPU flash kernel."""
+    masks) with DTensors. Attention kernels on CPU: an SDPA call on DTensors (attention outside a TP region) runs
+    the math kernel, because DTensor has no sharding rule for the CPU flash kernel. Under fake tensors (the dry
+    run, which stands for the CUDA run) attention of a region, on local per-head tensors, keeps SDPA's own choice:
+    the flash kernel, which saves only the logsumexp as the GPU's does (the math kernel saves the s x s scores).
+    Real CPU runs keep the math kernel for every call, the numerics the TP parity tests were set against."""
 
     def enter() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -278,9 +281,26 @@ def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callab
 
                 stack.enter_context(loss_parallel())
             if device.type == "cpu":
+                from torch.distributed.tensor import DTensor
                 from torch.nn.attention import SDPBackend, sdpa_kernel
+                from torch.overrides import TorchFunctionMode
 
-                stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+                from mlm.runtime.model_build import _fake_mode_active
+
+                class MathForDTensorAttention(TorchFunctionMode):
+                    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+                        kwargs = kwargs or {}
+                        if func is torch.nn.functional.scaled_dot_product_attention and any(
+                            isinstance(x, DTensor) for x in (*args, *kwargs.values())
+                        ):
+                            with sdpa_kernel(SDPBackend.MATH):
+                                return func(*args, **kwargs)
+                        return func(*args, **kwargs)
+
+                if _fake_mode_active():
+                    stack.enter_context(MathForDTensorAttention())
+                else:
+                    stack.enter_context(sdpa_kernel(SDPBackend.MATH))
         return stack
 
     return enter

@@ -64,6 +64,20 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin sequence parallelism on or off",
     )
     parser.add_argument("--zero", type=int, choices=(0, 1, 3), help="pin optimizer sharding (ZeRO stage)")
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size (each sequence split over cp ranks, ring attention); default 1 because mlm-run "
+        "does not run cp yet; 0 = search it",
+    )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 1 because "
+        "mlm-run does not run ep yet; 0 = search it",
+    )
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP solver (default cbc)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per MILP, seconds")
 
@@ -80,20 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     model_arguments(parser)
     parser.add_argument("--gpus", type=int, help="number of GPUs to plan for")
     layout_arguments(parser)
-    parser.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        help="context-parallel size (each sequence split over cp ranks, ring attention); default 1 because mlm-run "
-        "does not run cp yet; 0 = search it",
-    )
-    parser.add_argument(
-        "--ep",
-        type=int,
-        default=1,
-        help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 1 because "
-        "mlm-run does not run ep yet; 0 = search it",
-    )
     parser.add_argument("--top", type=int, default=5, help="alternatives to show and store (default 5)")
     parser.add_argument("--out", help="write plan.json here")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")

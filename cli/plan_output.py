@@ -29,8 +29,8 @@ def request_from_args(args: argparse.Namespace, spec: ModelSpec, num_gpus: int) 
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
-        cp=getattr(args, "cp", 1) or None,  # 0 on the command line: search it
-        ep=getattr(args, "ep", 1) or None,
+        cp=args.cp or None,  # 0 on the command line: search it
+        ep=args.ep or None,
         micro_batch=args.micro_batch,
         vpp=args.vpp,
         recompute=args.recompute,

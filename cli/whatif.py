@@ -153,6 +153,8 @@ def request_for(args: argparse.Namespace, global_batch: int, num_gpus: int) -> P
         tp=args.tp,
         pp=args.pp,
         dp=args.dp,
+        cp=args.cp or None,  # 0 on the command line: search it
+        ep=args.ep or None,
         micro_batch=args.micro_batch,
         vpp=args.vpp,
         recompute=args.recompute,

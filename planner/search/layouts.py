@@ -44,15 +44,16 @@ Group = tuple[int, int, int, int, int, int]  # tp, pp, dp, cp, ep, zero
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the user asked for: GPU count, batch, and any pinned dimensions (None = search)."""
+    """What the user asked for: GPU count, batch, and any pinned dimensions (None = search). cp and ep default
+    to 1, not to search: mlm-run does not run cp or ep > 1 yet, and a default plan must be one it runs."""
 
     num_gpus: int
     global_batch: int
     tp: int | None = None
     pp: int | None = None
     dp: int | None = None
-    cp: int | None = None
-    ep: int | None = None
+    cp: int | None = 1
+    ep: int | None = 1
     micro_batch: int | None = None
     vpp: int | None = None
     recompute: str | None = None

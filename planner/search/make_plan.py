@@ -69,6 +69,11 @@ def make_plan(
         notes = list(result.notes)
         if not ir.num_experts and "ep" not in _pinned(request):
             explanations["ep"] = "ep=1: the model has no routed experts for expert parallelism to split"
+        elif request.ep == 1:
+            notes.append(
+                f"--ep not given: the {ir.num_experts} routed experts per MoE layer are planned without expert "
+                "parallelism (ep 1; mlm-run does not run ep > 1 yet; --ep 0 searches it)"
+            )
         if shard.skipped:
             explanations["skipped"] = skipped_summary(shard.skipped)
             notes.append(explanations["skipped"])
@@ -178,7 +183,9 @@ def skipped_summary(skipped: list[tuple[Candidate, str]]) -> str:
 
 
 def _pinned(request: PlanRequest) -> frozenset[str]:
-    return frozenset(d for d in DIMENSIONS if getattr(request, d) is not None)
+    """Dimensions the user fixed. cp and ep default to 1 (PlanRequest): at 1 they count as the default, not a pin."""
+    defaults = {"cp": 1, "ep": 1}
+    return frozenset(d for d in DIMENSIONS if getattr(request, d) is not None and getattr(request, d) != defaults.get(d))
 
 
 def _what_if(

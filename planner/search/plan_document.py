@@ -55,10 +55,14 @@ def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignme
     inputs = summarize(ir)
     counts = assignment.blocks_per_stage if assignment else balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
     params = {layer.name: layer.params for layer in ir.layers}
-    units = {
-        i: sum(1 for x in layers if params.get(x, 0) > 0) + 1
-        for i, (layers, _) in enumerate(stage_layers(ir, layout, assignment))
-    }
+    kinds = {layer.name: layer.kind for layer in ir.layers}
+    units = {}
+    for i, (layers, _) in enumerate(stage_layers(ir, layout, assignment)):
+        # one FSDP unit per parameter-holding layer, plus the stage's own; a tied embedding whose head runs on the
+        # same stage stays in the stage's unit (runtime/data_parallel.py: FSDP2 cannot shard one parameter twice)
+        shared = ir.tied_embeddings and any(kinds[x] == "head" for x in layers)
+        embedding = next((x for x in layers if kinds[x] == "embedding" and params[x] > 0), None)
+        units[i] = sum(1 for x in layers if params.get(x, 0) > 0) + 1 - (1 if shared and embedding else 0)
     out = []
     for rank in range(layout.pp):
         ops = rank_collectives(

@@ -74,7 +74,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr-decay-steps", type=_positive, default=None, help="cosine horizon (default: --steps)")
     p.add_argument("--max-grad-norm", type=_finite, default=1.0)
     p.add_argument("--seed", type=_nonneg, default=0)
-    p.add_argument("--log", type=Path, default=None, help="append one JSON line per step")
+    p.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        help="append one JSON line per step (measured and predicted step time, breakdown, layout, "
+        "GPU profile, peak memory): the input of mlm-calibrate",
+    )
     p.add_argument(
         "--skip-nonfinite",
         action="store_true",
@@ -344,8 +350,9 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
                 f"schedule {plan.layout.schedule}, from step {rt.start_step}{again}",
                 highlight=False,
             )
+        log = args.log if rank0 else None
         with StepReporter(
-            args.steps, rt.start_step, args.log if rank0 else None, show=rank0, console=console
+            args.steps, rt.start_step, log, show=rank0, console=console, plan=plan, device=rt.device
         ) as report:
             run_steps(rt, report)
         last = rt.records[-1] if rt.records else None

@@ -1,4 +1,8 @@
-"""Rank 0's view of training: a rich progress line per step and an optional JSON-lines log."""
+"""Rank 0's view of training: a rich progress line per step and an optional JSON-lines log.
+
+Each log line is the StepRecord plus what `mlm-calibrate` needs to refit the GPU profile from this run: the
+layout, the profile the plan was priced for (name and fingerprint), the predicted step-time breakdown and the
+predicted and measured peak memory (measured: torch.cuda.max_memory_allocated on CUDA, null elsewhere)."""
 
 from __future__ import annotations
 
@@ -6,17 +10,44 @@ import dataclasses
 import json
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from mlm.planner.cost.fit import profile_fingerprint
+from mlm.planner.plan import Plan
 from mlm.runtime.train import StepRecord
+
+
+def plan_fields(plan: Plan | None) -> dict[str, Any]:
+    """The plan's side of a log line: layout, GPU profile, predicted breakdown and peak memory (null without one)."""
+    if plan is None:
+        return {}
+    pred = plan.predicted
+    gpu = plan.cluster.profile.get("gpu")
+    return {
+        "layout": dataclasses.asdict(plan.layout),
+        "world_size": plan.layout.world_size,
+        "gpu_profile": plan.cluster.gpu,
+        "gpu_profile_sha256": profile_fingerprint(gpu) if isinstance(gpu, dict) else None,
+        "predicted_breakdown": dict(pred.breakdown) if pred is not None else None,
+        "predicted_peak_memory_bytes": pred.peak_memory_bytes if pred is not None else None,
+    }
+
+
+def peak_memory_bytes(device: torch.device | None) -> int | None:
+    """This process's peak allocated device memory so far (CUDA only; None on CPU, where no allocator counts it)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.max_memory_allocated(device))
 
 
 class StepReporter:
     """Context manager; call it with each StepRecord. Shows step, loss, tokens/s, TFLOP/s per GPU, MFU (when the
-    plan has a GPU profile) and the measured step time beside the plan's prediction."""
+    plan has a GPU profile) and the measured step time beside the plan's prediction. With `log`, appends one JSON
+    line per step (see the module docstring); `plan` and `device` fill its plan and peak-memory fields."""
 
     def __init__(
         self,
@@ -25,6 +56,8 @@ class StepReporter:
         log: Path | None = None,
         show: bool = True,
         console: Console | None = None,
+        plan: Plan | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.total, self.start = total_steps, start_step
         self.console = console or Console(stderr=True)
@@ -33,6 +66,8 @@ class StepReporter:
         self._log: IO[str] | None = None
         self._progress: Progress | None = None
         self._task = None
+        self._static = plan_fields(plan)
+        self.device = device
 
     def __enter__(self) -> StepReporter:
         if self.log_path is not None:
@@ -53,7 +88,8 @@ class StepReporter:
 
     def __call__(self, rec: StepRecord) -> None:
         if self._log is not None:
-            self._log.write(json.dumps(dataclasses.asdict(rec)) + "\n")
+            line = {**dataclasses.asdict(rec), **self._static, "peak_memory_bytes": peak_memory_bytes(self.device)}
+            self._log.write(json.dumps(line) + "\n")
             self._log.flush()
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=rec.step, stats=describe(rec))

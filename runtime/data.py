@@ -90,10 +90,10 @@ class DropoutSeeds:
     num_microbatches), whose rows TokenSource.batch gives it. So a layer draws the same mask for the same rows
     under any dp and pp (every schedule runs a stage's forwards in micro-batch order; recompute restores the
     generator state checkpoint saved after the seeding). What differs: a plan with another micro_batch draws other
-    masks (the same rows, another micro-batch); and under tp, dropout on an activation sharded over tp (attention
-    heads, sequence-parallel regions) draws each shard's mask from the same seed on CPU, so it is not one device's
-    mask (on CUDA, DTensor's offset-based RNG tracker draws disjoint parts of it); dropout on replicated
-    activations is one device's mask on every tp rank."""
+    masks (the same rows, another micro-batch). Under tp, dropout inside an attention / MLP region on an activation
+    sharded over tp (heads, or the sequence-parallel residual) draws one device's whole mask on CPU and keeps its
+    slice; on CUDA it draws from a generator seeded per tp rank, Megatron's way (runtime/tensor_parallel.py
+    _RegionDropout); dropout on replicated activations is one device's mask on every tp rank."""
 
     def __init__(self, seed: int, dp_rank: int, num_microbatches: int, device: torch.device) -> None:
         self.seed, self.dp_rank, self.n, self.device = seed, dp_rank, num_microbatches, device

@@ -179,6 +179,7 @@ class Region:
     attrs: dict[str, int] = field(default_factory=dict)  # attribute -> per-rank value
     proxy_width: int | None = None  # the module sees an input of this width (shape queries only)
     heads: tuple[int, ...] = ()  # heads of each attention call's q, k, v, unsharded
+    dropouts: tuple[DropoutShard, ...] = ()  # how each F.dropout call's input is sharded, in call order
 
     def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement) -> None:
         module = model.get_submodule(self.fqn)
@@ -187,6 +188,7 @@ class Region:
         state = _RegionInput(mesh, seq, self.proxy_width)
         module.register_forward_pre_hook(state.prepare, with_kwargs=True)
         module.register_forward_hook(state.clear)
+        _draw_dropout_as_one_device(module, self.dropouts, mesh, state)
         if self.proxy_width is not None:
             for fqn in self.colwise:
                 model.get_submodule(fqn).register_forward_pre_hook(state.swap, prepend=True)
@@ -199,6 +201,7 @@ class _RegionInput:
         self.mesh, self.seq, self.proxy_width = mesh, seq, proxy_width
         self.full: DTensor | None = None
         self.proxy: torch.Tensor | None = None
+        self.seq_len: int | None = None  # the region input's global sequence length (for dropout shards)
 
     def prepare(self, _m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = args[0] if args else None
@@ -211,6 +214,7 @@ class _RegionInput:
             x = DTensor.from_local(x, self.mesh, [self.seq], run_check=False)
         if tuple(x.placements) != (Replicate(),):
             x = x.redistribute(self.mesh, [Replicate()])
+        self.seq_len = x.shape[SEQ_DIM] if x.dim() > SEQ_DIM else None
         if self.proxy_width is None:
             return (x, *args[1:]), kwargs
         self.full = x
@@ -259,6 +263,7 @@ def find_regions(model: nn.Module, concrete: dict[str, str], tp: int, num_heads:
                 found.attrs,
                 found.proxy_width,
                 found.heads,
+                found.dropouts,
             )
         )
     return regions
@@ -299,6 +304,7 @@ class _Recorder(TorchFunctionMode):
         self.attention: list[tuple[int, ...]] = []
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # id of a colwise output -> (its linear, it)
         self.splits: dict[str, list[int]] = {}
+        self.dropouts: list[tuple[int, ...]] = []  # input shape of each F.dropout call, in order
         self.proxy = proxy
         self.proxy_read = False
 
@@ -310,7 +316,9 @@ class _Recorder(TorchFunctionMode):
             if any(x is self.proxy for x in flat):
                 self.proxy_read = True
         out = func(*args, **kwargs)
-        if func is torch.nn.functional.scaled_dot_product_attention:
+        if func is torch.nn.functional.dropout and args and isinstance(args[0], torch.Tensor):
+            self.dropouts.append(tuple(args[0].shape))
+        elif func is torch.nn.functional.scaled_dot_product_attention:
             self.attention += [tuple(t.shape) for t in args[:3]]
         elif func in self.MATMULS and all(isinstance(a, torch.Tensor) and a.dim() == 4 for a in args[:2]):
             self.attention += [tuple(a.shape) for a in args[:2]]
@@ -420,7 +428,7 @@ def settle_region(module: nn.Module, fqn: str, col: list[str], row: list[str], t
                     for a in subset:
                         setattr(module, a, original[a])
                 if _consistent(run, ref, want, col, row, module, tp):
-                    return Region(fqn, col, row, splits, attrs, proxy, heads)
+                    return Region(fqn, col, row, splits, attrs, proxy, heads, _dropout_shards(ref, run, tp))
     raise PlanFileError(
         f"tensor parallelism: no per-rank setting of {type(module).__name__} {fqn}'s integer attributes "
         f"({', '.join(cands) or 'none'}) runs it on {heads[0] // tp if heads else '1/tp of its'} heads per rank; "
@@ -438,6 +446,153 @@ def _consistent(
     if any(not all(t is run.x for t in run.inputs[n]) for n in col):
         return False
     return all(t.shape[-1] * tp == features(module.get_submodule(n))[0] for n in row for t in run.inputs[n])
+
+
+# ------------------------------------------------------------------------------------------- region dropout
+
+
+@dataclass(frozen=True)
+class DropoutShard:
+    """How one F.dropout call of a region sees its input on a rank: `dim` split over tp (attention heads), or
+    `seq_dims` that hold the sequence (split when sequence parallelism reduce-scatters the rowwise output)."""
+
+    dim: int | None = None
+    seq_dims: tuple[int, ...] = ()
+
+
+def _dropout_shards(ref: _Run, run: _Run, tp: int) -> tuple[DropoutShard, ...]:
+    """Compare the unsharded and the per-rank region check: the dim each dropout input lost a factor tp on."""
+    if len(ref.recorder.dropouts) != len(run.recorder.dropouts):
+        return ()
+    out = []
+    for full, local in zip(ref.recorder.dropouts, run.recorder.dropouts):
+        diff = [i for i, (a, b) in enumerate(zip(full, local)) if a != b]
+        if len(full) == len(local) and len(diff) == 1 and local[diff[0]] * tp == full[diff[0]]:
+            out.append(DropoutShard(dim=diff[0]))
+        else:
+            out.append(DropoutShard(seq_dims=tuple(i for i, d in enumerate(full) if d == CHECK_SEQ)))
+    return tuple(out)
+
+
+def _draw_dropout_as_one_device(
+    module: nn.Module, shards: tuple[DropoutShard, ...], mesh: DeviceMesh, state: _RegionInput
+) -> None:
+    """Run the region's forward under _RegionDropout (an instance forward wrapping the class's, so a raised error
+    cannot leave the mode pushed)."""
+    forward = module.forward
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _RegionDropout(shards, mesh, state):
+            return forward(*args, **kwargs)
+
+    module.forward = wrapped
+
+
+class _RegionDropout(TorchFunctionMode):
+    """Dropout inside a region, on tensors that hold this rank's heads or sequence chunk (docs/semantics.md).
+
+    On CPU each sharded dropout draws the mask of the whole (unsharded) activation from the generator DropoutSeeds
+    seeded, exactly as one device draws it, and keeps this rank's slice: the masks are one device's, and every tp
+    rank's generator advances as one device's does, so later draws on replicated activations stay equal on all tp
+    ranks. SDPA with dropout_p > 0 is computed as the math kernel computes it (softmax, the sliced mask, @ v).
+    The whole mask costs tp x the local one, transiently: fine on CPU, where this is for exactness.
+    On CUDA the fused kernels keep their own RNG: a sharded dropout draws from a generator forked and seeded per tp
+    rank (Megatron's model-parallel RNG tracker), so head shards get independent masks and the default generator,
+    which replicated dropouts use, is left where it was on every rank. Under fake tensors (the dry run) nothing is
+    changed, so the dry run allocates what the device's kernels allocate.
+    No hand-written code exists for this in torch: DTensor's RNG tracker covers DTensors on CUDA only, and these
+    are local tensors."""
+
+    def __init__(self, shards: tuple[DropoutShard, ...], mesh: DeviceMesh, state: _RegionInput) -> None:
+        super().__init__()
+        self.shards, self.state = shards, state
+        self.tp, self.rank = mesh.size(), mesh.get_local_rank()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.dropout:
+            return self._dropout(func, args, kwargs)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            q = args[0]
+            if p > 0 and isinstance(q, torch.Tensor) and not isinstance(q, DTensor) and not _fake(q):
+                return self._sdpa(func, args, kwargs, p)
+        return func(*args, **kwargs)
+
+    def _dropout(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        names = ("input", "p", "training", "inplace")
+        bound = {**dict(zip(names, args)), **kwargs}
+        x, p, training = bound["input"], bound.get("p", 0.5), bound.get("training", True)
+        k = self.calls
+        self.calls += 1
+        if not training or p == 0 or isinstance(x, DTensor) or _fake(x) or k >= len(self.shards):
+            return func(*args, **kwargs)
+        dim = self._sharded_dim(self.shards[k], x)
+        if dim is None:
+            return func(*args, **kwargs)
+        if x.device.type != "cpu":
+            with self._rank_generator(x.device):
+                return func(*args, **kwargs)
+        whole = list(x.shape)
+        whole[dim] *= self.tp
+        mask = func(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)
+        return x * mask.narrow(dim, self.rank * x.shape[dim], x.shape[dim])
+
+    def _sharded_dim(self, shard: DropoutShard, x: torch.Tensor) -> int | None:
+        if shard.dim is not None and shard.dim < x.dim():
+            return shard.dim
+        seq = self.state.seq_len
+        for d in shard.seq_dims:
+            if seq is not None and d < x.dim() and x.shape[d] * self.tp == seq and x.shape[d] != seq:
+                return d
+        return None
+
+    def _sdpa(self, func: Any, args: tuple, kwargs: dict, p: float) -> torch.Tensor:
+        """Attention of this rank's heads with one device's dropout mask (the math kernel's formula)."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = {**dict(zip(names, args)), **kwargs}
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        if q.device.type != "cpu":
+            with self._rank_generator(q.device):
+                return func(*args, **kwargs)
+        if k.shape[-3] != q.shape[-3]:  # grouped-query attention: as enable_gqa repeats the key/value heads
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        scale = bound.get("scale") or q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-2, -1)) * scale
+        s, t = scores.shape[-2:]
+        mask = bound.get("attn_mask")
+        if bound.get("is_causal"):
+            causal = torch.ones(s, t, dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(mask.logical_not(), float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1)
+        whole = list(probs.shape)
+        whole[-3] *= self.tp
+        keep = torch.nn.functional.dropout(torch.ones(whole, dtype=probs.dtype, device=probs.device), p, True)
+        keep = keep.narrow(-3, self.rank * probs.shape[-3], probs.shape[-3])
+        return (probs * keep) @ v
+
+    @contextlib.contextmanager
+    def _rank_generator(self, device: torch.device) -> Any:
+        import hashlib
+
+        base = torch.cuda.initial_seed() if device.type == "cuda" else torch.initial_seed()
+        key = f"{base}/{self.rank}/{self.calls}".encode()
+        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+        with torch.random.fork_rng(devices=[device], device_type=device.type):
+            torch.manual_seed(seed)
+            yield
+
+
+def _fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 # ------------------------------------------------------------------------------------------- region styles

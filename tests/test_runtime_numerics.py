@@ -128,10 +128,40 @@ def test_dp_and_pp_match_one_process_with_dropout(model_file: Path) -> None:
             _compare(ref, _merged(runs, i), f"{o} {plan.layout.describe()}")
 
 
+def test_tensor_parallel_dropout_draws_one_devices_masks(model_file: Path) -> None:
+    """Dropout 0.1 on head-sharded attention (SDPA's dropout_p, and a manual softmax dropout) and on
+    sequence-parallel residuals: tp2 and tp2 + SP draw one device's masks (runtime/tensor_parallel.py
+    _RegionDropout) and train what one process trains, under SGD and AdamW."""
+    ref_plan = _plan(model_file, 0.1, micro_batch=2, num_microbatches=2)
+    manual_ref = make_plan(
+        "gpt",
+        model_file=model_file,
+        args={**GPT_ARGS, "dropout": 0.1, "bias": False, "attention": "manual"},
+        micro_batch=2,
+        num_microbatches=2,
+    )
+    refs = run_workers(1, _train, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (manual_ref, OPTS["sgd"])])
+    tp = _plan(model_file, 0.1, tp=2, micro_batch=2, num_microbatches=2)
+    sp = _plan(model_file, 0.1, tp=2, sp=True, micro_batch=2, num_microbatches=2)
+    manual = make_plan(
+        "gpt",
+        model_file=model_file,
+        args={**GPT_ARGS, "dropout": 0.1, "bias": False, "attention": "manual"},
+        tp=2,
+        micro_batch=2,
+        num_microbatches=2,
+    )
+    runs = [(tp, OPTS["sgd"]), (tp, OPTS["adamw"]), (sp, OPTS["adamw"]), (manual, OPTS["sgd"])]
+    got = run_workers(2, _train, runs)
+    for i, ref_index in enumerate((0, 1, 1, 2)):
+        _compare(
+            _merged(refs, ref_index), _merged(got, i), f"dropout {runs[i][1].optimizer} {runs[i][0].layout.describe()}"
+        )
+
+
 def test_tensor_parallel_adamw_matches_one_process(model_file: Path, llama_file: Path) -> None:
     """AdamW on tp-sharded (GPT: fused q|k|v sharded per head) and tp x FSDP2-sharded (Llama, GQA)
-    parameters, masked loss, dropout off (on CPU, dropout on tp-sharded activations is drawn per shard:
-    runtime/data.py)."""
+    parameters, masked loss, dropout off (dropout under tp: the test above)."""
     gpt_ref = _plan(model_file, 0.0, micro_batch=4, num_microbatches=1)
     llama_ref = _llama(llama_file, micro_batch=4, num_microbatches=1)
     refs = run_workers(1, _train, [(gpt_ref, OPTS["adamw"]), (llama_ref, OPTS["adamw"])])

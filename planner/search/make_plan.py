@@ -185,7 +185,8 @@ def skipped_summary(skipped: list[tuple[Candidate, str]]) -> str:
 def _pinned(request: PlanRequest) -> frozenset[str]:
     """Dimensions the user fixed. cp and ep default to 1 (PlanRequest): at 1 they count as the default, not a pin."""
     defaults = {"cp": 1, "ep": 1}
-    return frozenset(d for d in DIMENSIONS if getattr(request, d) is not None and getattr(request, d) != defaults.get(d))
+    values = {d: getattr(request, d) for d in DIMENSIONS}
+    return frozenset(d for d, v in values.items() if v is not None and v != defaults.get(d))
 
 
 def _what_if(

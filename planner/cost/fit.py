@@ -4,10 +4,13 @@ Pure: no torch. A log line holds the measured step time, the plan's predicted st
 factor f multiplies every kernel efficiency of the profile (the GEMM and attention curves and
 memory_bound_efficiency), so the compute-bound part of a prediction scales by 1/f and the rest does not:
 
-    predicted(f) = S / f + F,   S = compute_s + recompute_s + optimizer_s + bubble_s · c,   F = the other terms
+    predicted(f) = S / f + F,   S = compute_s + recompute_s − R + optimizer_s + bubble_s · c,   F = the other terms
 
-where c is the compute share of the bottleneck rank's busy time (compute + recompute over compute + recompute +
-tp + pp communication), which is how the bubble scales when every rank has the bottleneck rank's mix. Each run
+where R is the tp communication a fully recomputed forward repeats (half of tp_comm_s under recompute="full",
+else 0) and c the compute share of the bottleneck rank's busy time (compute + recompute − R over compute +
+recompute + tp + pp communication), which is how the bubble scales when every rank has the bottleneck rank's mix.
+Communication is taken as priced: an exposed dp term that hides under compute (mlm-run's DDP/FSDP overlap) would
+shrink as compute slows, which this model does not follow. Each run
 (a file, or a segment of one when the step index restarts) counts once, by its median post-warm-up step time M:
 x = 1/f minimises Σ ((S x + F − M) / M)², a least-squares fit in relative error with the closed form
 x = Σ a·b / Σ a², a = S/M, b = (M − F)/M.
@@ -63,10 +66,15 @@ class Run:
     def scaled_s(self) -> float:
         """S: the part of the prediction that scales by 1/f."""
         b = self.breakdown
-        busy_compute = b.get("compute_s", 0.0) + b.get("recompute_s", 0.0)
-        busy = busy_compute + sum(b.get(k, 0.0) for k in BUSY_COMM_TERMS)
+        # a fully recomputed forward repeats the forward's tp collectives: half of tp_comm_s (a Megatron-style
+        # block has as many tp collectives forward as backward), which the compute factor does not scale
+        recomputed_tp = b.get("tp_comm_s", 0.0) / 2 if self.layout.get("recompute") == "full" else 0.0
+        recomputed_tp = min(recomputed_tp, b.get("recompute_s", 0.0))
+        busy_compute = b.get("compute_s", 0.0) + b.get("recompute_s", 0.0) - recomputed_tp
+        busy = busy_compute + recomputed_tp + sum(b.get(k, 0.0) for k in BUSY_COMM_TERMS)
         share = busy_compute / busy if busy > 0 else 1.0
-        return sum(b.get(k, 0.0) for k in SCALED_TERMS) + b.get("bubble_s", 0.0) * share
+        scaled = sum(b.get(k, 0.0) for k in SCALED_TERMS) - recomputed_tp
+        return scaled + b.get("bubble_s", 0.0) * share
 
     @property
     def fixed_s(self) -> float:

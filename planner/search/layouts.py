@@ -27,7 +27,14 @@ from dataclasses import dataclass, field, replace
 from mlm.planner.capture.graph import ModelIR, MoEIR
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.inputs import ModelCostInputs
-from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, stage_coefficients, summarize
+from mlm.planner.cost.step_time import (
+    Evaluation,
+    StageAssignment,
+    StageCoefficients,
+    evaluate,
+    stage_coefficients,
+    summarize,
+)
 from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
 from mlm.planner.search.stage_milp import (
@@ -180,7 +187,7 @@ class _Search:
         """stage_lower_bound from the cost model's per-block coefficients, without evaluating the layout."""
         c = stage_coefficients(self.inputs, layout, self.gpu, self.cluster)
         stages = layout.pp * layout.vpp
-        work = c.num_blocks * c.block_time_s + c.pre_time_s + c.post_time_s + stages * c.p2p_time_s
+        work = _blocks_work(c) + c.pre_time_s + c.post_time_s + stages * c.p2p_time_s
         pp, m, vpp = layout.pp, layout.num_microbatches, layout.vpp
         return m * work / pp + work * (1 - 1 / pp) / vpp
 
@@ -338,20 +345,80 @@ class _Search:
 def _shortest_rank(
     inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile
 ) -> tuple[float, float]:
-    """(T*, W): the shortest busiest-rank time per micro-batch that any assignment of the identical blocks can
-    reach without recompute (integer blocks, at least one per virtual stage, memory ignored), and the ranks' total
-    W. Found by giving the next block to the rank it lengthens least until the ranks hold them all."""
+    """(T*, W): a busiest-rank time per micro-batch that no assignment of the blocks can beat without recompute
+    (memory ignored), and the ranks' total W. Identical blocks: exactly the shortest (integer blocks, at least one
+    per virtual stage), found by giving the next block to the rank it lengthens least until the ranks hold them
+    all. Differing blocks: _shortest_mixed_rank, a lower bound."""
     c = stage_coefficients(inputs, layout, gpu, cluster)
     pp, vpp, S = layout.pp, layout.vpp, layout.pp * layout.vpp
     fixed = [vpp * c.p2p_time_s for _ in range(pp)]
     fixed[0] += c.pre_time_s
     fixed[(S - 1) % pp] += c.post_time_s
+    if c.block_times_s:
+        return _shortest_mixed_rank(c.block_times_s, fixed, vpp), sum(fixed) + _blocks_work(c)
     t_b = c.block_time_s
     counts = [vpp] * pp
     while sum(counts) < c.num_blocks:
         r = min(range(pp), key=lambda i: fixed[i] + (counts[i] + 1) * t_b)
         counts[r] += 1
     return max(f + n * t_b for f, n in zip(fixed, counts)), sum(fixed) + c.num_blocks * t_b
+
+
+def _blocks_work(c: StageCoefficients) -> float:
+    """All blocks' time per micro-batch without recompute: the exact per-block sum when blocks differ."""
+    return sum(c.block_times_s) if c.block_times_s else c.num_blocks * c.block_time_s
+
+
+def _shortest_mixed_rank(times: tuple[float, ...], fixed: list[float], vpp: int) -> float:
+    """A lower bound on the busiest rank's time when block j takes times[j] and rank r has fixed[r] besides its
+    blocks, valid for every contiguous assignment: the largest of
+      - the water level: every rank r holds at least vpp blocks, so at least lo_r = fixed[r] + the vpp cheapest
+        blocks, and the ranks together hold W = Σ_j times[j]: T ≥ the level T with Σ_r max(lo_r, T) − fixed[r] = W
+        (work spread as if divisible);
+      - the heaviest block on the lightest rank's fixed time;
+      - (vpp = 1) the shortest busiest stage over contiguous splits that may leave stages empty (a relaxation of
+        at least one block per stage), by bisection on T with a greedy fill, which is exact for that relaxation."""
+    pp = len(fixed)
+    cheapest = sum(sorted(times)[:vpp])
+    lows = [f + cheapest for f in fixed]
+    total = sum(times)
+
+    def spare(level: float) -> float:
+        """Σ_r max(lo_r, level) − fixed[r] − W: ≥ 0 once the ranks below `level` can hold all the work."""
+        return sum(max(lo, level) - f for lo, f in zip(lows, fixed)) - total
+
+    lo, hi = max(lows), max(lows) + total
+    if spare(lo) < 0:
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if spare(mid) < 0 else (lo, mid)
+    bound = max(lo, min(fixed) + max(times))
+    if vpp == 1 and pp > 1:
+        bound = max(bound, _contiguous_level(times, fixed, bound))
+    return bound
+
+
+def _contiguous_level(times: tuple[float, ...], fixed: list[float], start: float) -> float:
+    """The largest T (to bisection precision, from below) at which stages 0..pp−1 in order, stage r taking blocks
+    while it stays within T − fixed[r], cannot hold every block: any split whose busiest stage is ≤ T' lets the
+    greedy fill reach at least as far at every stage, so the shortest busiest stage exceeds the returned T."""
+
+    def fits(level: float) -> bool:
+        j = 0
+        for f in fixed:
+            room = level - f
+            while j < len(times) and times[j] <= room:
+                room -= times[j]
+                j += 1
+        return j == len(times)
+
+    lo, hi = start, start + sum(times) + max(fixed)
+    if fits(lo):
+        return lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if not fits(mid) else (lo, mid)
+    return lo
 
 
 def _integer_bound(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, cluster: ClusterProfile) -> float:
@@ -501,6 +568,11 @@ def stage_problem(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, clus
         inflight=tuple(c.inflight),
         capacity_bytes=c.capacity_bytes,
         allow_recompute=layout.recompute != "none",
+        block_times_s=c.block_times_s,
+        block_recompute_extras_s=c.block_recompute_extras_s,
+        block_statics_bytes=c.block_statics_bytes,
+        block_acts_bytes=c.block_acts_bytes,
+        block_acts_recompute_bytes=c.block_acts_recompute_bytes,
     )
 
 

@@ -20,8 +20,10 @@ without / with recompute; f_i: in-flight micro-batches of virtual stage i under 
 reserve. With vpp > 1 one heavy chunk (the head's) can set T by itself, leaving every other assignment optimal,
 including ones that pile blocks on one chunk or leave a rank heavier than needed; the δ terms (δ = 1e-4, far
 below one block's time) then pick the one with the lightest busiest rank (what the cost model's pipeline time
-reads) and each rank's chunks as even as the blocks allow. Blocks are identical, so integer counts replace a
-binary per layer and the model stays tiny (2S+1 variables, pp+2 more when vpp > 1) whatever the depth. The step
+reads) and each rank's chunks as even as the blocks allow. When blocks are identical, integer counts replace a
+binary per layer and the model stays tiny (2S+1 variables, pp+2 more when vpp > 1) whatever the depth; when they
+differ (StageProblem.mixed), the contiguous-cut formulation at the end of this module prices each block as itself
+in τ_i and the memory rows, over runs of identical blocks (about 4S variables per run). The step
 time follows as (m + (pp−1)/vpp)·T plus what does not overlap, which the cost model's evaluate() computes on
 the resulting assignment.
 """
@@ -59,6 +61,17 @@ class StageProblem:
     capacity_bytes: float
     allow_recompute: bool = True
     recompute_all: bool = False  # recompute pinned by the user: every block recomputes (r_i = n_i)
+    # per block, in order, when blocks differ (StageCoefficients' tuples; the block_* scalars are then their means)
+    block_times_s: tuple[float, ...] = ()
+    block_recompute_extras_s: tuple[float, ...] = ()
+    block_statics_bytes: tuple[float, ...] = ()
+    block_acts_bytes: tuple[float, ...] = ()
+    block_acts_recompute_bytes: tuple[float, ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        """Whether blocks differ: then each is placed as itself (the contiguous-cut formulation below)."""
+        return bool(self.block_times_s)
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,8 @@ def memory_may_fit(p: StageProblem) -> bool:
     S = p.pp * p.vpp
     if p.num_blocks < S:
         return False
+    if p.mixed:
+        return _mixed_may_fit(p)
     last = S - 1
     act = p.block_act_bytes
     if p.recompute_all:
@@ -119,6 +134,8 @@ def pipeline_lower_bound(
     if p.num_blocks < S or not memory_may_fit(p):
         return math.inf
     m = num_microbatches
+    if p.mixed:
+        return _mixed_pipeline_bound(p, m, p2p_time_s, solver, time_limit_s)
     prob = pulp.LpProblem("stage_bound", pulp.LpMinimize)
     n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=p.num_blocks) for i in range(S)]
     r = [pulp.LpVariable(f"r{i}", lowBound=0, upBound=p.num_blocks if p.allow_recompute else 0) for i in range(S)]
@@ -149,6 +166,8 @@ def integer_lower_bound(p: StageProblem, num_microbatches: int, p2p_time_s: floa
     S = p.pp * p.vpp
     if p.num_blocks < S:
         return math.inf
+    if p.mixed:
+        return _mixed_integer_bound(p, num_microbatches, p2p_time_s)
     last = S - 1
     saved = p.block_act_bytes - p.block_act_recompute_bytes
     ranks = _ranks(p)
@@ -210,6 +229,8 @@ def solve_stages_status(
     S = problem.pp * problem.vpp
     if problem.num_blocks < S or (screen and not memory_may_fit(problem)):
         return None, "infeasible"
+    if problem.mixed:
+        return _solve_mixed(problem, solver, time_limit_s)
     prob = pulp.LpProblem("stages", pulp.LpMinimize)
     n = [pulp.LpVariable(f"n{i}", lowBound=1, upBound=problem.num_blocks, cat="Integer") for i in range(S)]
     r = [
@@ -230,6 +251,13 @@ def solve_stages_status(
     _placement(prob, problem, n, r)
     _rank_time(prob, problem, n, r, T)
     _rank_memory(prob, problem, n, r)
+    return _outcome(prob, solver, time_limit_s, n, r, T)
+
+
+def _outcome(
+    prob: pulp.LpProblem, solver: str, time_limit_s: float, n: list, r: list, T: pulp.LpVariable
+) -> tuple[StageSolution | None, str]:
+    """Solve `prob` and read blocks and recomputes per virtual stage (variables or expressions) and T."""
     start = time.perf_counter()
     status = prob.solve(_solver(solver, time_limit_s))
     stopped = time.perf_counter() - start >= 0.95 * time_limit_s
@@ -238,8 +266,8 @@ def solve_stages_status(
     if not found:
         return None, ("time-limit-none" if stopped or pulp.LpStatus[status] == "Not Solved" else "infeasible")
     proved = getattr(prob, "sol_status", 1) == 1 and not stopped
-    blocks = tuple(int(round(v.value())) for v in n)
-    recompute = tuple(int(round(v.value())) for v in r)
+    blocks = tuple(int(round(pulp.value(v))) for v in n)
+    recompute = tuple(int(round(pulp.value(v))) for v in r)
     how = "optimal" if proved else "time-limit"
     return StageSolution(blocks, recompute, float(T.value()), how), how
 
@@ -327,3 +355,266 @@ def _solver(name: str, time_limit_s: float) -> pulp.LpSolver:
                     return solver
         raise PlanError("--solver highs: HiGHS is not installed (pip install highspy), use --solver cbc")
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=1e-7)
+
+
+# ---- blocks that differ: each placed as itself -------------------------------------------------------------------
+#
+# With differing blocks (dense-then-MoE, sliding/full attention, encoder/decoder) a count per stage no longer says
+# what a stage costs: which blocks it holds does. Virtual stage i holds the contiguous blocks [b_i, b_{i+1}) and
+# recomputes the first of them, [b_i, c_i) (as evaluate() and plan.json's recompute_layers do), with
+# 0 = b_0 ≤ c_0 ≤ b_1 ≤ c_1 ≤ … ≤ b_S = L. Consecutive identical blocks form runs k = 1..K of length ℓ_k; a cut x
+# (any b_i or c_i) is written as how many blocks of each run lie before it, a_{x,k} ∈ {0..ℓ_k}, with binaries
+# φ_{x,k} (run k wholly before x): a_{x,k} ≥ ℓ_k·φ_{x,k} and a_{x,k+1} ≤ ℓ_{k+1}·φ_{x,k}, so a cut takes a prefix of
+# the stack. Cuts in order: a_{x,k} ≤ a_{x',k} for consecutive cuts x, x'. Every per-block quantity q (time,
+# recompute extra, static and activation bytes) of the blocks between two cuts is Σ_k q_k·(a_{x',k} − a_{x,k}):
+# linear, so the time, memory and objective above keep their form with n_i·t_b replaced by the stage's own sum.
+# Identical blocks never take this path: one run makes it the count formulation above.
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive identical blocks and the per-block numbers they share."""
+
+    length: int
+    time_s: float
+    extra_s: float
+    static_bytes: float
+    act_bytes: float
+    act_recompute_bytes: float
+
+
+def _runs(p: StageProblem) -> list[_Run]:
+    """The stack as runs of identical blocks, in order."""
+    runs: list[_Run] = []
+    for key in zip(
+        p.block_times_s,
+        p.block_recompute_extras_s,
+        p.block_statics_bytes,
+        p.block_acts_bytes,
+        p.block_acts_recompute_bytes,
+    ):
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and (
+                last.time_s,
+                last.extra_s,
+                last.static_bytes,
+                last.act_bytes,
+                last.act_recompute_bytes,
+            )
+            == key
+        ):
+            runs[-1] = _Run(last.length + 1, *key)
+        else:
+            runs.append(_Run(1, *key))
+    assert sum(run.length for run in runs) == p.num_blocks, "per-block tuples must cover every block"
+    return runs
+
+
+def _span(per_block: list[float], lo: list, hi: list) -> pulp.LpAffineExpression:
+    """Σ_k q_k·(hi_k − lo_k): a per-block quantity q (one value per run) summed over the blocks between cuts."""
+    return pulp.lpSum(q * (h - low) for q, low, h in zip(per_block, lo, hi))
+
+
+def _mixed_model(prob: pulp.LpProblem, p: StageProblem, integer: bool) -> tuple[list, list, list]:
+    """Add the cuts, placement and memory constraints of the contiguous-cut formulation; return each virtual
+    stage's block count, recompute count and time τ_i (expressions). integer=False gives its LP relaxation."""
+    runs = _runs(p)
+    S = p.pp * p.vpp
+    cat = "Integer" if integer else "Continuous"
+
+    def cut(name: str) -> list:
+        a = [pulp.LpVariable(f"{name}_{k}", lowBound=0, upBound=run.length, cat=cat) for k, run in enumerate(runs)]
+        for k in range(len(runs) - 1):
+            whole = pulp.LpVariable(f"{name}_w{k}", lowBound=0, upBound=1, cat=cat)
+            prob.addConstraint(a[k] >= runs[k].length * whole)
+            prob.addConstraint(a[k + 1] <= runs[k + 1].length * whole)
+        return a
+
+    starts = [[0.0] * len(runs)] + [cut(f"b{i}") for i in range(1, S)] + [[float(run.length) for run in runs]]
+    if p.recompute_all:
+        ends = starts[1:]
+    elif not p.allow_recompute:
+        ends = starts[:-1]
+    else:
+        ends = [cut(f"c{i}") for i in range(S)]
+    order = [starts[0]]
+    for i in range(S):
+        order += [ends[i], starts[i + 1]]
+    for before, after in zip(order, order[1:]):
+        if before is not after:
+            for x, y in zip(before, after):
+                if isinstance(x, pulp.LpVariable) or isinstance(y, pulp.LpVariable):
+                    prob += x <= y
+    ones = [1.0] * len(runs)
+    time_s = [run.time_s for run in runs]
+    extra_s = [run.extra_s for run in runs]
+    scale = 1.0 / 2**30  # GiB keeps the coefficients well conditioned for the solver
+    last = S - 1
+    n, r, tau, memory = [], [], [], []
+    for i in range(S):
+        lo, hi, rc = starts[i], starts[i + 1], ends[i]
+        f = p.inflight[i]
+        held = [(run.static_bytes + f * run.act_bytes) * scale for run in runs]
+        saved = [f * (run.act_bytes - run.act_recompute_bytes) * scale for run in runs]
+        n.append(_span(ones, lo, hi))
+        r.append(_span(ones, lo, rc))
+        t = _span(time_s, lo, hi) + _span(extra_s, lo, rc)
+        mem = _span(held, lo, hi) - _span(saved, lo, rc)
+        if i == 0:
+            t += p.pre_time_s
+            mem += (p.pre_static_bytes + f * p.pre_act_bytes) * scale
+        if i == last:
+            t += p.post_time_s
+            mem += (p.post_static_bytes + f * p.post_act_bytes) * scale
+        prob += n[i] >= 1
+        tau.append(t)
+        memory.append(mem)
+    for stages in _ranks(p):
+        prob += pulp.lpSum(memory[i] for i in stages) <= p.capacity_bytes * scale
+    return n, r, tau
+
+
+def _solve_mixed(p: StageProblem, solver: str, time_limit_s: float) -> tuple[StageSolution | None, str]:
+    """The stage MILP over contiguous cuts (same objective, time and tie-break constraints as for counts)."""
+    prob = pulp.LpProblem("stages", pulp.LpMinimize)
+    n, r, tau = _mixed_model(prob, p, integer=True)
+    T = pulp.LpVariable("T", lowBound=0)
+    eps = 1e-3 * max(p.recompute_time_s, 1e-12) / p.num_blocks
+    objective = T + eps * pulp.lpSum(r)
+    for stages in _ranks(p):
+        prob += pulp.lpSum(tau[i] for i in stages) <= T
+    if p.vpp > 1:
+        U = pulp.LpVariable("U", lowBound=0)
+        M = [pulp.LpVariable(f"M{rank}", lowBound=0) for rank in range(p.pp)]
+        objective += TIE_BREAK * (U + pulp.lpSum(M))
+        for rank, stages in enumerate(_ranks(p)):
+            prob += pulp.lpSum(tau[i] for i in stages) <= U
+            for i in stages:
+                prob += p.vpp * tau[i] <= T
+                prob += tau[i] <= M[rank]
+    prob += objective
+    return _outcome(prob, solver, time_limit_s, n, r, T)
+
+
+def _mixed_pipeline_bound(p: StageProblem, m: int, p2p_time_s: float, solver: str, time_limit_s: float) -> float:
+    """pipeline_lower_bound over the LP relaxation of the contiguous-cut formulation."""
+    S = p.pp * p.vpp
+    prob = pulp.LpProblem("stage_bound", pulp.LpMinimize)
+    _, _, tau = _mixed_model(prob, p, integer=False)
+    T = pulp.LpVariable("T", lowBound=0)
+    prob += (m - 1.0 / p.vpp) * T + pulp.lpSum(tau) / p.vpp
+    for stages in _ranks(p):
+        prob += pulp.lpSum(tau[i] for i in stages) <= T
+    status = pulp.LpStatus[prob.solve(_solver(solver, time_limit_s))]
+    if status == "Infeasible":
+        return math.inf
+    if status != "Optimal" or pulp.value(prob.objective) is None:
+        return 0.0
+    return float(pulp.value(prob.objective)) + (m - 1.0 / p.vpp) * p.vpp * p2p_time_s + S * p2p_time_s / p.vpp
+
+
+def _mixed_act(p: StageProblem) -> list[float]:
+    """Each block's least activation bytes per in-flight micro-batch the MILP may choose for it."""
+    if p.recompute_all:
+        return list(p.block_acts_recompute_bytes)
+    if p.allow_recompute:
+        return [min(a, b) for a, b in zip(p.block_acts_bytes, p.block_acts_recompute_bytes)]
+    return list(p.block_acts_bytes)
+
+
+def _cheapest_block(p: StageProblem, act: list[float], inflight: float) -> float:
+    """The fewest bytes any one block takes on a chunk with `inflight` micro-batches in flight."""
+    return min(s + inflight * a for s, a in zip(p.block_statics_bytes, act))
+
+
+def _edge_bytes(p: StageProblem, i: int) -> float:
+    """Static and activation bytes of the layers before / after the blocks that virtual stage i holds."""
+    out = 0.0
+    if i == 0:
+        out += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
+    if i == p.pp * p.vpp - 1:
+        out += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
+    return out
+
+
+def _mixed_may_fit(p: StageProblem) -> bool:
+    """memory_may_fit with each block as itself: every chunk's one block and every further block at the cheapest
+    bytes any block has on that rank (a relaxation, as for identical blocks)."""
+    act = _mixed_act(p)
+    room = 0
+    for stages in _ranks(p):
+        fixed = sum(_cheapest_block(p, act, p.inflight[i]) + _edge_bytes(p, i) for i in stages)
+        spare = p.capacity_bytes - fixed
+        if spare < 0:
+            return False
+        per_block = _cheapest_block(p, act, min(p.inflight[i] for i in stages))
+        room += len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks)
+        if room >= p.num_blocks:
+            return True
+    return room >= p.num_blocks
+
+
+def _prefix(values: list[float]) -> list[float]:
+    """Sums of the k smallest values, k = 0..len."""
+    out = [0.0]
+    for v in sorted(values):
+        out.append(out[-1] + v)
+    return out
+
+
+def _mixed_integer_bound(p: StageProblem, m: int, p2p_time_s: float) -> float:
+    """integer_lower_bound with each block as itself. A rank holding n blocks takes at least the n cheapest blocks'
+    time; its memory is at least, per chunk, the cheapest block there, plus the n − vpp smallest per-block bytes at
+    its fewest in-flight micro-batches; a recomputed block saves at most the largest saving at its most, and
+    costs at least the smallest recompute extra. Each t_r(n) is a lower bound on any rank holding n blocks and is
+    non-decreasing in n, so the same greedy split of counts gives a bound."""
+    S = p.pp * p.vpp
+    act = _mixed_act(p)
+    times = _prefix(list(p.block_times_s))
+    extras = _prefix(list(p.block_recompute_extras_s))
+    most_saved = max(a - b for a, b in zip(p.block_acts_bytes, p.block_acts_recompute_bytes))
+    ranks = _ranks(p)
+    fixed_t, fixed_m, rest_m, f_max, first = [], [], [], [], []
+    for stages in ranks:
+        t = p.vpp * p2p_time_s + (p.pre_time_s if 0 in stages else 0.0) + (p.post_time_s if S - 1 in stages else 0.0)
+        fixed_t.append(t)
+        fixed_m.append(
+            sum(
+                min(s + p.inflight[i] * a for s, a in zip(p.block_statics_bytes, act)) + _edge_bytes(p, i)
+                for i in stages
+            )
+        )
+        f_min = min(p.inflight[i] for i in stages)
+        rest_m.append(_prefix([s + f_min * a for s, a in zip(p.block_statics_bytes, act)]))
+        f_max.append(max(p.inflight[i] for i in stages))
+        first.append(len(stages))
+
+    def rank_time(r: int, n: int) -> float:
+        if n - first[r] >= len(rest_m[r]):
+            return math.inf
+        over = fixed_m[r] + rest_m[r][n - first[r]] - p.capacity_bytes
+        need = n if p.recompute_all else 0
+        if over > 1e-6 * max(p.capacity_bytes, 1.0):
+            per = f_max[r] * most_saved if p.allow_recompute and not p.recompute_all else 0.0
+            if per <= 0:
+                return math.inf
+            need = math.ceil(over / per - 1e-9)
+        if need > n:
+            return math.inf
+        return fixed_t[r] + times[n] + extras[need]
+
+    counts = list(first)
+    times_r = [rank_time(r, counts[r]) for r in range(p.pp)]
+    if math.isinf(max(times_r)):
+        return math.inf
+    for _ in range(p.num_blocks - sum(counts)):
+        r = min(range(p.pp), key=lambda j: rank_time(j, counts[j] + 1))
+        counts[r] += 1
+        times_r[r] = rank_time(r, counts[r])
+        if math.isinf(times_r[r]):
+            return math.inf
+    t_max = max(times_r)
+    work = sum(fixed_t) + sum(p.block_times_s)
+    return m * t_max + (work - t_max) / p.vpp

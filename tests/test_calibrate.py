@@ -208,3 +208,9 @@ def test_real_mlm_run_log_has_every_field_the_refit_reads(tmp_path, monkeypatch)
     out = tmp_path / "cpu-refit.toml"
     assert calibrate_main([str(log), "--gpu", "a100-80gb", "--out", str(out)]) == 0
     assert load_gpu(str(out)).calibration.train_rows == 2
+
+
+def test_fit_does_not_import_torch():
+    code = "import sys, mlm.planner.cost.fit; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

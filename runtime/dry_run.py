@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import ModelSpec
@@ -80,6 +81,11 @@ class CollectiveCounter(TorchDispatchMode):
         self.by_micro_batch: dict[int, dict[str, CollectiveTotals]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types) and not isinstance(func, torch._ops.HigherOrderOperator):
+            # as CommDebugMode does: let DTensor desugar the op first, so that the collectives its op handlers
+            # issue (loss_parallel's reductions, a norm's partial reduction) reach this mode on local tensors;
+            # running func here would run them with this mode popped, unseen
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         packet = getattr(func, "overloadpacket", func)
         if packet in self._ops or func in self._ops:

@@ -56,9 +56,11 @@ class MixedLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(narrow=6, wide=6, local=4, d=2048, heads=16, vocab=32000, seq=2048, window=256):
-    """`narrow` blocks with a 2·d FFN, `wide` with 8·d, `local` with 4·d and windowed attention."""
+def build_model(narrow=6, wide=6, local=4, d=2048, heads=16, vocab=32000, seq=2048, window=256, pattern=0):
+    """`narrow` blocks with a 2·d FFN, `wide` with 8·d, `local` with 4·d and windowed attention; then `pattern`
+    Gemma-3-like blocks (4·d FFN, five windowed to one global attention)."""
     blocks = [Block(d, heads, 2 * d) for _ in range(narrow)]
     blocks += [Block(d, heads, 8 * d) for _ in range(wide)]
     blocks += [Block(d, heads, 4 * d, window) for _ in range(local)]
+    blocks += [Block(d, heads, 4 * d, None if i % 6 == 5 else window) for i in range(pattern)]
     return MixedLM(blocks, vocab, d, seq)

@@ -872,6 +872,17 @@ def _no_fit_message(
     with_pins = " with the pinned choices" if pinned else ""
     # smallest_gpu_count only looks above the request, so a hint never contradicts the failure it explains
     hint = f"; it fits on {need} GPUs{with_pins}" if need else ""
+    zero_free = replace(request, zero=0)
+    if (
+        closest is None
+        and request.zero
+        and not any(_groups(ir, request, cluster))
+        and any(_groups(ir, zero_free, cluster))
+    ):
+        return (
+            f"--zero {request.zero} shards over data-parallel ranks, and the pinned choices leave dp = 1 on "
+            f"{request.num_gpus} GPUs: nothing to shard; use --zero 0 (or more GPUs, or a smaller --tp / --pp)"
+        )
     if closest is None:
         why = (
             with_pins

@@ -182,9 +182,10 @@ def _max(t: torch.Tensor) -> float:
 
 def test_tp_matches_one_process_under_adamw() -> None:
     """tp2 and tp2 + SP (2 micro-batches) against one process on the same 2 micro-batches (only tp's reduction
-    order differs), 3 AdamW steps (SGD parity of these layouts: test_runtime_parity). 1e-5 except on elements whose
-    first gradient is within fp32 noise of zero (AdamW divides such noise by its own magnitude: up to lr per step,
-    as for one process with another accumulation order), which are held to the AdamW step bound steps * lr.
+    order differs), 3 AdamW steps (SGD parity of these layouts: test_runtime_parity). 1e-5 plus what fp32 noise
+    in the gradient can move AdamW: it divides the noise by the gradient's own magnitude, so an element whose first
+    gradient g is small may move by up to steps·lr·min(1, NOISE_GRAD/|g|) more (as for one process with another
+    accumulation order).
     HF GPT-2's c_attn key bias (test_runtime_parity's pp2 x dp2 note: zero true gradient, so AdamW moves it by
     noise of up to lr per step in any layout) perturbs every later step at rounding level, so there the losses
     are checked to 1e-5 and the parameters to the step bound only."""
@@ -213,9 +214,13 @@ def test_tp_matches_one_process_under_adamw() -> None:
                 assert _max(diff) <= opts.steps * opts.lr, name
                 continue
             if opts is ADAMW:
-                noisy = grads[name].abs() < NOISE_GRAD
-                assert _max(diff[noisy]) <= opts.steps * opts.lr, name
-                diff = diff[~noisy]
+                # AdamW's step moves by lr·m̂/√v̂, which a gradient error δ changes by about lr·δ/|g| per step: the
+                # reduction-order noise NOISE_GRAD allows steps·lr·min(1, NOISE_GRAD/|g|) beyond ATOL per element
+                share = (NOISE_GRAD / grads[name].abs().clamp_min(1e-30)).clamp(max=1.0)
+                excess = diff - ATOL - opts.steps * opts.lr * share
+                worst = _max(excess)
+                assert worst <= 0, f"{kind} sp={sp} adamw: {name} exceeds its noise bound by {worst}"
+                continue
             worst = _max(diff)
             assert worst <= ATOL, f"{kind} sp={sp} {opts.optimizer}: {name} differs by {worst}"
 

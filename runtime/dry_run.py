@@ -535,7 +535,20 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
     finally:
         for h in handles:
             h.remove()
+    lay = plan.layout
+    if lay.sequence_parallel and lay.tp > 1:  # a tp rank sends (and receives) its sequence shard
+        found = {s: [_sequence_shard(t, plan.training.seq_len, lay.tp) for t in specs] for s, specs in found.items()}
     return found
+
+
+def _sequence_shard(spec: TensorSpec, seq_len: int, tp: int) -> TensorSpec:
+    """`spec` as one tp rank holds it under sequence parallelism: SEQ_DIM split (activations are batch, seq, …)."""
+    from mlm.runtime.tensor_parallel import SEQ_DIM
+
+    shape = list(spec.shape)
+    if len(shape) > SEQ_DIM and shape[SEQ_DIM] == seq_len:
+        shape[SEQ_DIM] //= tp
+    return TensorSpec(tuple(shape), spec.dtype)
 
 
 def pipeline_buffer_bytes(plan: Plan, bounds: dict[int, list[TensorSpec]], pp_rank: int) -> float:

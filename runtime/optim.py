@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ADAMW_BETAS = (0.9, 0.95)
@@ -68,28 +68,39 @@ def sync_tied_grads(copies: list[TiedCopy]) -> None:
 
 
 def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, exclude: set[int]) -> torch.Tensor:
-    """The global L2 norm of all gradients of the model, whichever rank holds them.
+    """The global L2 norm of all gradients of the model, whichever rank holds them, with one all-reduce of one
+    scalar per step.
 
-    torch.nn.utils.clip_grad_norm_ fails on a mix of DTensor and plain gradients and sees only this stage, so:
-    group gradients by (mesh, placements), take each group's norm (a DTensor norm reduces over its mesh), sum the
-    squares, and all-reduce over the pipeline group. `exclude` holds ids of non-primary tied copies."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    device = None
+    torch.nn.utils.clip_grad_norm_ fails on a mix of DTensor and plain gradients and sees only this stage, and a
+    DTensor norm per (mesh, placements) group costs one all-reduce per group and mesh dimension (and DTensor's
+    get_total_norm materialises fp32 buffers the size of the gradients). So each rank sums the squares of its local
+    gradient values in fp32, divides each tensor's sum by how many ranks of its pipeline stage hold the same values
+    (the stage's ranks over the tensor's distinct shards: every rank of a stage holds some shard of each of the
+    stage's parameters), and one all-reduce over every rank adds them up. `pp_group` only says whether there is a
+    pipeline (the sum runs over the whole world either way); `exclude` holds ids of non-primary tied copies."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pp = dist.get_world_size(pp_group) if pp_group is not None else 1
+    stage_ranks = world // pp
+    total_sq: torch.Tensor | None = None
     for p in params:
         if p.grad is None or id(p) in exclude:
             continue
         g = p.grad
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else ("plain", g.device)
-        groups.setdefault(key, []).append(g)
-        device = g.device if not isinstance(g, DTensor) else g.to_local().device
-    total_sq = torch.zeros((), dtype=torch.float32, device=device or "cpu")
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total_sq = total_sq + norm.float().to(total_sq.device) ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total_sq, group=pp_group)
+        copies = stage_ranks
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            # not is_shard(): _StridedShard (fused QKV split per head) is a shard that is_shard() does not name
+            shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            copies = stage_ranks // shards
+            g = g.to_local()
+        sq = torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).square() / copies
+        total_sq = sq if total_sq is None else total_sq + sq.to(total_sq.device)
+    if total_sq is None:
+        device = next((p.device for p in params if not isinstance(p, DTensor)), torch.device("cpu"))
+        total_sq = torch.zeros((), dtype=torch.float32, device=device)
+    if world > 1:
+        dist.all_reduce(total_sq)
     return total_sq.sqrt()
 
 

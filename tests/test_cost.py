@@ -123,9 +123,12 @@ def test_tp_comm_zero_at_tp1_and_same_bytes_with_sp(small, hw):
     link = group_link(hw[1], 8, 1)
     calls = sum(x.tp_fwd_count + x.tp_bwd_count for x in (small.pre, small.post))
     calls += (small.block.tp_fwd_count + small.block.tp_bwd_count) * small.num_blocks
-    # SP runs an all-gather and a reduce-scatter per all-reduce: same ring bytes, one more latency per pair
-    extra_latency = calls * link.latency_s * base.num_microbatches
-    assert sp.breakdown["tp_comm_s"] - ar.breakdown["tp_comm_s"] == pytest.approx(extra_latency, rel=0.05)
+    # SP runs an all-gather and a reduce-scatter per all-reduce: same ring bytes, one more latency per pair; and it
+    # all-gathers the first block's input in backward (it was sliced into sequence shards in forward)
+    m, mb = base.num_microbatches, base.micro_batch
+    extra = calls * link.latency_s * m + m * all_gather_s(mb * small.pre.sp_gather_bytes, 8, link)
+    assert small.pre.sp_gather_bytes > 0
+    assert sp.breakdown["tp_comm_s"] - ar.breakdown["tp_comm_s"] == pytest.approx(extra, rel=0.05)
     assert sp.breakdown["compute_s"] < ar.breakdown["compute_s"]  # SP shards norm/dropout work
 
 

@@ -50,7 +50,8 @@ def test_ddp_buckets_hide_under_the_backward_but_the_last_one(inputs):
     none = evaluate(inputs, lo, *HW, options=MEGATRON_2021).breakdown["dp_comm_s"]
     hidden = evaluate(inputs, lo, *HW, options=MLM_RUN).breakdown["dp_comm_s"]
     link = group_link(HW[1], 64, 1)
-    last_bucket = all_reduce_s(MLM_RUN.ddp_bucket_bytes, 64, link)
+    # after the backward: the last bucket and the gradient norm's one fp32 all-reduce over every rank
+    last_bucket = all_reduce_s(MLM_RUN.ddp_bucket_bytes, 64, link) + all_reduce_s(4.0, 64, link)
     assert none > hidden >= last_bucket * (1 - 1e-9)
     # a backward far longer than the all-reduce hides everything but the last bucket
     assert hidden == pytest.approx(last_bucket, rel=1e-6)
@@ -58,10 +59,11 @@ def test_ddp_buckets_hide_under_the_backward_but_the_last_one(inputs):
     assert none >= half >= hidden
 
 
-def test_zero3_gathers_per_micro_batch_and_per_recomputed_forward(inputs):
-    """No overlap: each micro-batch adds a forward and a backward gather (one more under full recompute); the
-    reduce-scatter is once per step after accumulation, and once per micro-batch with every-micro-batch reduction
-    (mlm-run's FSDP2, as the dry run counts it)."""
+def test_zero3_gathers_per_micro_batch_and_not_again_for_a_recomputed_forward(inputs):
+    """No overlap: each micro-batch adds a forward and a backward gather (none more under full recompute: the
+    recomputed forward runs inside the backward, on the parameters FSDP2 gathered for it, as the dry run counts:
+    tests/test_dry_run.py z3-full); the reduce-scatter is once per step after accumulation, and once per
+    micro-batch with every-micro-batch reduction (mlm-run's FSDP2)."""
     base = Layout(tp=1, pp=1, dp=64, micro_batch=1, num_microbatches=2, recompute="none", zero=3)
     opts = replace(MLM_RUN, dp_overlap=0.0, zero3_reduce_every_microbatch=False)
 
@@ -71,7 +73,8 @@ def test_zero3_gathers_per_micro_batch_and_per_recomputed_forward(inputs):
     two, four = dp(base), dp(replace(base, num_microbatches=4))
     full2 = dp(replace(base, recompute="full"))
     gather = (four - two) / 4  # two more micro-batches x two gathers
-    assert full2 - two == pytest.approx(2 * gather, rel=1e-6)  # one more gather on each of the 2 micro-batches
+    assert gather > 0
+    assert full2 == pytest.approx(two, rel=1e-9)
     every = dp(base, replace(opts, zero3_reduce_every_microbatch=True))
     assert every > two
     # mlm-run overlap: FSDP prefetch hides gathers under compute, never below the first layer's gather

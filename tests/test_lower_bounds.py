@@ -11,8 +11,9 @@ Bounds (each at line rate or peak, no efficiency factor):
              part of recompute_s).
   pp comm    per micro-batch each chunk sends its activation forward (unless it is the last stage) and its
              gradient backward (unless it is the first), 1/tp of it per GPU.
-  dp comm    the gradient all-reduce, reduce-scatter + all-gather, or ZeRO-3's per-micro-batch gathers and the
-             reduce-scatter, with the same per-GPU and per-node bounds, on the group the dp ranks form.
+  dp comm    the gradient all-reduce, reduce-scatter + all-gather, or ZeRO-3's per-micro-batch gathers (forward
+             and backward; a recomputed forward runs on the backward's) and the reduce-scatter, with the same
+             per-GPU and per-node bounds, on the group the dp ranks form.
   optimizer  Adam reads at least the fp32 master weights and both moments (12 bytes per local parameter, sharded
              under ZeRO) from HBM at its datasheet bandwidth.
 With Megatron 2021 semantics (nothing overlaps) every exposed term is at least its bound; with mlm-run's overlap the
@@ -120,7 +121,7 @@ def bounds(
         for layer, n, r in _stage_layers(inputs, s, last):
             matmul = layer.model_flops - layer.attn_flops
             flops += n * (3 * matmul + 1.5 * layer.attn_flops)
-            tp_bytes += n * (layer.tp_fwd_bytes + layer.tp_bwd_bytes)
+            tp_bytes += n * (layer.tp_fwd_bytes + layer.tp_bwd_bytes + layer.tp_fixed_bytes)
             if lo.recompute == "full":  # (the recomputed forward's collectives are costed in recompute_s)
                 flops += r * (matmul + 0.5 * layer.attn_flops)
     compute = m * mb * flops / tp / peak
@@ -145,7 +146,7 @@ def bounds(
             gathers = 1 if lo.pp > 1 else m
             t = _send_bound(g, lo.dp, k, cluster, 1.0) + gathers * _send_bound(p, lo.dp, k, cluster, 1.0)
         else:
-            gathers = 3 if lo.recompute == "full" else 2
+            gathers = 2  # forward and backward; a fully recomputed forward runs on the backward's gather (FSDP2)
             reduces = m if options.zero3_reduce_every_microbatch else 1
             t = m * gathers * _send_bound(p, lo.dp, k, cluster, 1.0) + reduces * _send_bound(g, lo.dp, k, cluster, 1.0)
         dp_comm = max(dp_comm, t)
@@ -206,27 +207,28 @@ def gpt3():
 
 @pytest.mark.parametrize("options", [MEGATRON_2021, MLM_RUN, CostOptions(zero3_reduce_every_microbatch=True)])
 def test_zero3_gpt3_on_1536_gpus_is_at_least_its_gather_traffic(gpt3, options):
-    """GPT-3 175B, ZeRO-3 without model parallelism on 1536 A100s, one sequence per GPU, full recompute: three
-    all-gathers of the ~350 GB of bf16 weights and one reduce-scatter, each moving (N−1)/N of it into or out of
-    each of the N = 192 nodes through its 8 x 25 GB/s of InfiniBand: about 7 s however the collectives overlap.
+    """GPT-3 175B, ZeRO-3 without model parallelism on 1536 A100s, one sequence per GPU, full recompute: two
+    all-gathers of the ~350 GB of bf16 weights (forward, and backward, where FSDP2 runs the recomputed forward on
+    the parameters it gathered) and one reduce-scatter of the fp32 gradients, each moving (N−1)/N of it into or out
+    of each of the N = 192 nodes through its 8 x 25 GB/s of InfiniBand: about 5 s however the collectives overlap.
     (Issue 14's "over 50 s" takes 25 GB/s per GPU for the whole buffer; a node's members share what its NICs
     receive over NVLink, as NCCL's rings do, so the physical bound is the per-node one.)"""
     gpu, cluster = HARDWARE["a100-80gb"]
     layout = Layout(tp=1, pp=1, dp=1536, micro_batch=1, num_microbatches=1, recompute="full", zero=3)
     ev = evaluate(gpt3, layout, gpu, cluster, options=options)
     lb = bounds(gpt3, layout, ev, gpu, cluster, options)
-    assert lb["dp_comm"] > 6.0
+    assert lb["dp_comm"] > 5.0
     assert ev.step_time_s >= max(lb["dp_comm"], lb["compute"])
     if options.dp_overlap == 0:
         assert ev.breakdown["dp_comm_s"] >= lb["dp_comm"]
 
 
-@pytest.mark.parametrize("recompute,collectives", [("none", 3), ("full", 4)])
+@pytest.mark.parametrize("recompute,collectives", [("none", 3), ("full", 3)])
 @pytest.mark.parametrize("dp", [16, 64])
 def test_zero3_traffic_at_least_bytes_over_node_nics(recompute, collectives, dp):
-    """ZeRO-3 across nodes, no overlap: every all-gather (forward, recomputed forward, backward) and the gradient
-    reduce-scatter moves (nodes−1)/nodes of the 2·P bf16 bytes into or out of each node, whose 8 NICs carry at most
-    8 × 25 GB/s at line rate (a physical bound, no efficiency factor)."""
+    """ZeRO-3 across nodes, no overlap: every all-gather (forward, backward, where a recomputed forward runs on
+    the backward's gather) and the gradient reduce-scatter moves (nodes−1)/nodes of the 2·P bf16 bytes into or out
+    of each node, whose 8 NICs carry at most 8 × 25 GB/s at line rate (a physical bound, no efficiency factor)."""
     inputs = summarize(capture(load_model_spec("megatron-1.7b")))
     p = inputs.pre.params_sharded + inputs.pre.params_replicated + inputs.post.params_sharded
     p += inputs.post.params_replicated + inputs.num_blocks * (

@@ -887,7 +887,8 @@ def _op_graph(
     """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on.
 
     Node attributes say where data enters: `reads_input` when an operand is an activation from an earlier layer
-    (the block's input), `constant` when the op does not depend on the batch (masks, rotary tables)."""
+    (the block's input), `constant` when the op does not depend on the batch (masks, rotary tables); `weight` the
+    first parameter it reads, `params` (name, elements) of every parameter it reads."""
     g = nx.DiGraph()
     member = set(nodes)
     for n in nodes:
@@ -904,12 +905,18 @@ def _op_graph(
             shape=tuple(t.shape) if t is not None else (),
             bytes=nbytes(t),
             weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
+            params=tuple((_strip_root(params[a]), _numel(a)) for a in _inputs(n) if a in params),
             reads_input=_reads_outside(n, costs, member, inert),
             constant=n in inert,
         )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)
     return g
+
+
+def _numel(n: torch.fx.Node) -> int:
+    t = val(n)
+    return int(t.numel()) if t is not None else 0
 
 
 def _reads_outside(

@@ -6,16 +6,21 @@ full tensor an all-gather produces or a reduce-scatter consumes, the tensor an a
 
 Per pipeline rank, with m micro-batches, its layers' LayerCost and its local parameters P (mlm-run semantics,
 step_time.py's docstring):
-  tp       per layer and micro-batch tp_fwd_count (+ again under full recompute) + tp_bwd_count all-reduces of
-           micro_batch·tp_*_bytes, or as many all-gather + reduce-scatter pairs with sequence parallelism
+  tp       per layer and micro-batch tp_fwd_count (+ all but the last again under full recompute) + tp_bwd_count
+           all-reduces of micro_batch·tp_*_bytes, or as many all-gather + reduce-scatter pairs with sequence
+           parallelism (full recompute: every gather again); plus tp_fixed_count all-reduces (vocabulary-parallel
+           embedding, loss_parallel statistics) with or without SP; with SP one all-gather in backward where the
+           first block's replicated input was sliced into sequence shards (first stage), and one all-reduce of
+           each SP norm parameter's gradient per gradient reduction (every micro-batch under ZeRO-3, else once)
   pp       per virtual stage and micro-batch one send forward (not the last stage) and one backward (not the first)
-           of micro_batch·block.output_bytes / tp
+           of micro_batch·block.output_bytes (/ tp with sequence parallelism: the rank's sequence shard)
   dp       zero 0: ceil(grad bytes / DDP bucket) all-reduces of the gradients; zero 1 (and zero 3 under
            pipelining): one reduce-scatter of the gradients per FSDP unit, one all-gather of the parameters per unit
            and micro-batch (once per step under pipelining); zero 3: per unit and micro-batch one all-gather in
-           forward (again in a fully recomputed forward) and one in backward, and one reduce-scatter
+           forward and one in backward (a fully recomputed forward runs on it), and one reduce-scatter
            (CostOptions.zero3_reduce_every_microbatch; once per step when False)
   tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank
+  norm     more than one rank: one all-reduce of the squared gradient norm (4 bytes) over every rank
 FSDP units are what runtime/data_parallel.py wraps: every layer that holds parameters, plus the stage itself.
 """
 
@@ -29,6 +34,7 @@ from mlm.planner.cost.memory import local_params
 from mlm.planner.layout import Layout
 
 PARAM_WIRE_BYTES = 2.0  # bf16 parameters gathered
+GRAD_NORM_BYTES = 4.0  # the squared gradient norm, one fp32 scalar
 
 
 @dataclass(frozen=True)
@@ -45,18 +51,25 @@ def _add(out: dict[str, CollectiveCount], op: str, count: int, nbytes: float) ->
         out[op] = out.get(op, CollectiveCount(0, 0.0)) + CollectiveCount(count, nbytes)
 
 
-def _tp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: int) -> None:
+def _tp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: int, recompute: str) -> None:
     if layout.tp == 1:
         return
-    fwd = layer.tp_fwd_count * (2 if layout.recompute == "full" else 1)
-    fwd_bytes = layer.tp_fwd_bytes * (2 if layout.recompute == "full" else 1)
-    count = m * (fwd + layer.tp_bwd_count)
-    nbytes = m * layout.micro_batch * (fwd_bytes + layer.tp_bwd_bytes)
+    f, mb = layer.tp_fwd_count, layout.micro_batch
+    # a fully recomputed forward repeats every reduction but the last (torch's non-reentrant checkpoint stops once
+    # the backward has what it needs) and, under SP, every gather (planner/cost/tp_collectives.py)
+    again = max(f - 1, 0) if recompute == "full" else 0
+    again_bytes = layer.tp_fwd_bytes * again / f if f else 0.0
+    count = m * (f + again + layer.tp_bwd_count)
+    nbytes = m * mb * (layer.tp_fwd_bytes + again_bytes + layer.tp_bwd_bytes)
     if layout.sequence_parallel:
-        _add(out, "all_gather", count, nbytes)
+        gathers = f if recompute == "full" else 0  # every gather of the recomputed forward, not f - 1
+        extra = layer.tp_fwd_bytes if recompute == "full" else 0.0
+        _add(out, "all_gather", count + m * (gathers - again), nbytes + m * mb * (extra - again_bytes))
         _add(out, "reduce_scatter", count, nbytes)
+        _add(out, "all_gather", m * (layer.sp_gather_bytes > 0), m * mb * layer.sp_gather_bytes)
     else:
         _add(out, "all_reduce", count, nbytes)
+    _add(out, "all_reduce", m * layer.tp_fixed_count, m * mb * layer.tp_fixed_bytes)
 
 
 def rank_collectives(
@@ -78,20 +91,25 @@ def rank_collectives(
     last = len(blocks_per_stage) - 1
     params = 0.0
     unit_count = 0
+    sp_tensors, sp_elems = 0, 0.0
     for i in stages:
         layers = [inputs.block] * blocks_per_stage[i]
         if i == 0:
             layers.insert(0, inputs.pre)
         if i == last:
             layers.append(inputs.post)
-        for layer in layers:
-            _tp(out, layer, layout, m)
+        for layer in layers:  # the layers before and after the blocks are not recomputed
+            _tp(out, layer, layout, m, layout.recompute if layer is inputs.block else "none")
+            if layout.tp > 1 and layout.sequence_parallel:
+                sp_tensors += layer.sp_param_count
+                sp_elems += layer.sp_param_elems
         held = [local_params(layer, layout.tp) for layer in layers]
         params += sum(held)
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
         unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
         if pp > 1:
-            boundary = layout.micro_batch * inputs.block.output_bytes / layout.tp
+            # each tp rank sends its sequence shard under sequence parallelism, else the whole activation
+            boundary = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
         params += inputs.tied_params / layout.tp if 0 not in stages or last not in stages else 0.0
@@ -106,8 +124,16 @@ def rank_collectives(
             _add(out, "reduce_scatter", unit_count, grads)
             _add(out, "all_gather", gathers * unit_count, gathers * PARAM_WIRE_BYTES * params)
         else:
-            gathers = m * (3 if layout.recompute == "full" else 2)
+            gathers = 2 * m  # forward and backward (a fully recomputed forward runs on the backward's gather)
             reduces = m if zero3_reduce_every_microbatch else 1
             _add(out, "all_gather", gathers * unit_count, gathers * PARAM_WIRE_BYTES * params)
             _add(out, "reduce_scatter", reduces * unit_count, reduces * grads)
+    # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
+    # the bf16 unsharded gradient (before FSDP's reduce-scatter casts it), else once per step
+    zero3 = layout.dp > 1 and layout.zero == 3 and pp == 1
+    sp_times = m if zero3 and zero3_reduce_every_microbatch else 1
+    sp_bytes = PARAM_WIRE_BYTES if zero3 else grad_reduce_bytes
+    _add(out, "all_reduce", sp_times * sp_tensors, sp_times * sp_bytes * sp_elems)
+    if layout.tp * layout.pp * layout.dp * layout.cp > 1:
+        _add(out, "all_reduce", 1, GRAD_NORM_BYTES)  # runtime/optim.py grad_norm: one fp32 scalar, every rank
     return out

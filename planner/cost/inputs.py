@@ -68,6 +68,17 @@ class LayerCost:
     tp_fwd_bytes: float = 0.0
     tp_bwd_count: int = 0
     tp_bwd_bytes: float = 0.0
+    # forward all-reduces that stay all-reduces under SP and are never recomputed: the vocabulary-parallel
+    # embedding's partial sums (its output is replicated) and loss_parallel's per-token statistics
+    tp_fixed_count: int = 0
+    tp_fixed_bytes: float = 0.0
+    # under SP, all-gathered once in backward: the replicated activation the first sequence-parallel module slices
+    # into sequence shards (the input of the first block, on the first stage)
+    sp_gather_bytes: float = 0.0
+    # parameter tensors that SP makes replicated DTensors (norms on the residual stream): the gradient of each is a
+    # partial sum over the sequence shards, all-reduced over tp once per step
+    sp_param_count: int = 0
+    sp_param_elems: float = 0.0
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
     expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
     dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·bf16
@@ -141,6 +152,7 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
             costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir) for x in ir.layers[:first]])
+    pre = replace(pre, sp_gather_bytes=ir.layers[first - 1].output_bytes if first > 0 else 0.0)
     post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1 :] if x.kind != "block"])
     head = [
         op.in_features * op.out_features
@@ -190,8 +202,12 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
         dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
     mem_s, core = _memory_split(layer, ir.seq_len, kind)
+    fixed = (0, 0.0)
+    if kind == "embedding":  # the vocabulary-parallel lookup's all-reduce (a replicated output, with or without SP)
+        fixed, fwd = fwd, (0, 0.0)
     if kind == "loss":
-        fwd = (fwd[0] + LOSS_REDUCTIONS, fwd[1] + LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
+        fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
+    sp_count, sp_elems = _sequence_parallel_params(layer)
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
     replicated = a.replicated if kind != "loss" else 0.0
     return LayerCost(
@@ -214,6 +230,10 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         tp_fwd_bytes=fwd[1],
         tp_bwd_count=bwd[0],
         tp_bwd_bytes=bwd[1],
+        tp_fixed_count=fixed[0],
+        tp_fixed_bytes=fixed[1],
+        sp_param_count=sp_count,
+        sp_param_elems=sp_elems,
         model_flops=layer.flops_matmul + layer.flops_attention,
         expert_params=routed,
         dispatch_bytes=dispatch,
@@ -310,6 +330,23 @@ def _block_splits(layer: LayerIR) -> tuple[list[Split], list[float]]:
     return splits, inputs
 
 
+def _sequence_parallel_params(layer: LayerIR) -> tuple[int, float]:
+    """(tensors, elements) of the parameters that runtime/tensor_parallel.py gives SequenceParallel under SP: those
+    read by a final norm layer, and those read by a block's residual-stream ops (outside the tp regions: norms)."""
+    g = layer.ops
+    if g is None or layer.kind not in ("block", "norm"):
+        return 0, 0.0
+    tags: dict[str, str] = {}
+    found: dict[str, int] = {}
+    for n, d in g.nodes(data=True):
+        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
+        k = d.get("kind")
+        tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
+        if layer.kind == "norm" or (tags[n] == "R" and k not in ("linear", "embedding")):
+            found.update(d.get("params", ()))
+    return len(found), float(sum(found.values()))
+
+
 def _memory_split(layer: LayerIR, seq: int, kind: str) -> tuple[float, float]:
     """Fraction of memory-bound bytes inside the tp region, and the attention core's memory-bound bytes.
 
@@ -370,7 +407,7 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
     numeric = {
         f.name: getattr(total, f.name) / n
         for f in fields(total)
-        if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "tp_fwd_count", "tp_bwd_count")
+        if f.name not in ("names", "gemms", "attn_materialized", "head_dim") and not f.name.endswith("_count")
     }
     pooled: dict[tuple, int] = {}
     for g in total.gemms:
@@ -381,6 +418,5 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
         **numeric,
         gemms=gemms,
         attn_materialized=total.attn_materialized,
-        tp_fwd_count=round(total.tp_fwd_count / n),
-        tp_bwd_count=round(total.tp_bwd_count / n),
+        **{f.name: round(getattr(total, f.name) / n) for f in fields(total) if f.name.endswith("_count")},
     )

@@ -12,14 +12,17 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
               with sequence parallelism; backward moves 2x the forward bytes (reads saved input and grad, writes grad).
   tp comm     per block 2 all-reduces forward and 2 backward (Megatron's g and f), or all-gather + reduce-scatter
               pairs with SP (same ring bytes); not overlapped (Megatron-LM 2021 runs them on the compute stream).
-  recompute   full: one more forward of the block incl. its all-reduces; selective: the attention core's forward
-              (score matmuls and softmax/dropout bytes; nothing when the fused kernel saves no scores).
-  pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation,
-              1/tp of it per rank plus an NVLink all-gather without SP (Narayanan et al. 2021, scatter/gather opt.).
+              The vocabulary-parallel embedding and loss_parallel all-reduce with or without SP; under SP the
+              first block's sliced input is all-gathered in backward, and each SP norm parameter's gradient is
+              all-reduced over tp with the gradients (dp comm).
+  recompute   full: one more forward of the block incl. its all-reduces but the last; selective: the attention
+              core's forward (score matmuls and softmax/dropout bytes; nothing when the fused kernel saves no scores).
+  pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation
+              as mlm-run sends it: the whole activation per tp rank, or its sequence shard (1/tp) under SP.
   bubble      planner/cost/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
   dp comm     bf16 gradient all-reduce in DDP buckets (zero 0) or reduce-scatter + parameter all-gather
               (zero 1) of the rank's local parameters once per step; zero 3 gathers each layer's parameters in
-              forward, again in a fully recomputed forward, and in backward on every micro-batch, and
+              forward and in backward (where a fully recomputed forward runs) on every micro-batch, and
               reduce-scatters per layer once per step (mlm-run) or every micro-batch. Latency grows with the ring
               and a group spanning nodes runs at its members' NIC bandwidth (collectives.py). What overlaps:
               CostOptions (default mlm-run, torch DDP/FSDP2: hidden up to the compute it runs under; MEGATRON_2021:
@@ -288,7 +291,7 @@ def _layer_times(
     tp_b = _tp_collective(layer.tp_bwd_count, mb * layer.tp_bwd_bytes, tp, sp, tp_link)
     forward = gemm + attn_f + mem
     if layout.recompute == "full":
-        extra = forward + tp_f
+        extra = forward + _tp_again(layer, layout, tp_link)
     elif layout.recompute == "selective" and layer.attn_materialized:
         extra = attn_f + mb * layer.core_bytes / tp / bandwidth
     else:
@@ -297,7 +300,7 @@ def _layer_times(
     ring_f, cp_s = _ring_exchange(layer, layout, cluster, attn_f, attn_b)
     if layout.recompute == "full":
         extra += a2a_f + ring_f
-    tp_total = tp_f + tp_b
+    tp_total = tp_f + tp_b + _tp_fixed(layer, layout, tp_link)
     tp_exposed = tp_total - min(tp_overlap * tp_total, 3.0 * gemm) if tp_overlap > 0 else tp_total
     return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra, ep_s, cp_s)
 
@@ -338,15 +341,39 @@ def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> 
     return all_reduce_s(nbytes, tp, link, count)
 
 
+def _tp_again(layer: LayerCost, layout: Layout, link: Link) -> float:
+    """The tp collectives of a fully recomputed forward: every reduction but the last (torch's non-reentrant
+    checkpoint stops once the backward has what it needs) and, under SP, every gather."""
+    f, tp, mb = layer.tp_fwd_count, layout.tp, layout.micro_batch
+    if tp == 1 or f == 0:
+        return 0.0
+    again = mb * layer.tp_fwd_bytes * (f - 1) / f
+    if layout.sequence_parallel:
+        gather = all_gather_s(mb * layer.tp_fwd_bytes, tp, link, f)
+        return gather + (reduce_scatter_s(again, tp, link, f - 1) if f > 1 else 0.0)
+    return all_reduce_s(again, tp, link, f - 1) if f > 1 else 0.0
+
+
+def _tp_fixed(layer: LayerCost, layout: Layout, link: Link) -> float:
+    """The tp collectives that neither SP nor recompute change: the all-reduces of a vocabulary-parallel embedding
+    and of loss_parallel's statistics, and under SP the backward all-gather of the sliced first-block input."""
+    tp, mb = layout.tp, layout.micro_batch
+    if tp == 1:
+        return 0.0
+    fixed = all_reduce_s(mb * layer.tp_fixed_bytes, tp, link, layer.tp_fixed_count) if layer.tp_fixed_count else 0.0
+    if layout.sequence_parallel and layer.sp_gather_bytes:
+        fixed += all_gather_s(mb * layer.sp_gather_bytes, tp, link)
+    return fixed
+
+
 def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, tp_link: Link) -> float:
-    """Send/recv time per virtual stage and micro-batch (forward activation + backward gradient)."""
+    """Send/recv time per virtual stage and micro-batch (forward activation + backward gradient), as mlm-run sends
+    them: each tp rank sends its sequence shard under sequence parallelism, else the whole (replicated) activation.
+    (Megatron's scatter-gather optimisation, 1/tp over the wire and an all-gather over tp, is not what runs.)"""
     if layout.pp == 1:
         return 0.0
-    nbytes = layout.micro_batch * inputs.block.output_bytes
-    one = p2p_s(nbytes / layout.tp, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
-    if not layout.sequence_parallel:
-        one += all_gather_s(nbytes, layout.tp, tp_link)
-    return 2.0 * one
+    nbytes = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+    return 2.0 * p2p_s(nbytes, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,6 +606,8 @@ _TOKEN_FIELDS = (
     "output_bytes",
     "tp_fwd_bytes",
     "tp_bwd_bytes",
+    "tp_fixed_bytes",
+    "sp_gather_bytes",
     "dispatch_bytes",
     "kv_bytes",
 )
@@ -662,9 +691,9 @@ class _RankTotals:
 def _dp_time(
     inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, options: CostOptions
 ) -> float:
-    """Exposed data-parallel (and tied-embedding) communication per step, the slowest rank's (CostOptions says
-    what overlaps with what). Dense gradients reduce over the dp·cp ranks; with ep > 1 the routed experts' over
-    the dp·cp/ep ranks that hold the same experts (ep·tp apart)."""
+    """Exposed data-parallel (and tied-embedding, SP norm gradient and gradient-norm) communication per step, the
+    slowest rank's (CostOptions says what overlaps with what). Dense gradients reduce over the dp·cp ranks; with
+    ep > 1 the routed experts' over the dp·cp/ep ranks that hold the same experts (ep·tp apart)."""
     dp, pp = layout.dp, layout.pp
     exposed = 0.0
     if dp * layout.cp > 1:
@@ -676,6 +705,18 @@ def _dp_time(
         exposed += all_reduce_s(
             options.grad_reduce_bytes * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * layout.cp * dp)
         )
+    if layout.tp > 1 and layout.sequence_parallel:  # SP norm gradients, the fullest rank's (ceil(blocks / pp))
+        blocks = math.ceil(inputs.num_blocks / pp)
+        edge = max(inputs.pre, inputs.post, key=lambda c: c.sp_param_elems)
+        count = blocks * inputs.block.sp_param_count + edge.sp_param_count
+        # with the gradients' reduction: every micro-batch under ZeRO-3 (CostOptions), else once
+        every = dp > 1 and layout.zero == 3 and pp == 1 and options.zero3_reduce_every_microbatch
+        times = layout.num_microbatches if every else 1
+        if count:
+            nbytes = options.grad_reduce_bytes * (blocks * inputs.block.sp_param_elems + edge.sp_param_elems)
+            exposed += times * all_reduce_s(nbytes, layout.tp, group_link(cluster, layout.tp, 1), count)
+    if layout.world_size > 1:  # runtime/optim.py grad_norm: one fp32 scalar over every rank
+        exposed += all_reduce_s(4.0, layout.world_size, group_link(cluster, layout.world_size, 1))
     return exposed
 
 
@@ -709,12 +750,13 @@ def _dp_rank_time(
     forward = ranks.forward[rank]
     grb = options.grad_reduce_bytes
     if layout.zero >= 3 and layout.pp == 1:
-        # FSDP: per layer, the parameters are gathered for the forward, again for a fully recomputed forward,
-        # and for the backward, on every micro-batch; gradients reduce-scattered per layer on every micro-batch
-        # (mlm-run: FSDP2 reduces as each micro-batch's backward ends) or once per step
+        # FSDP: per layer, the parameters are gathered for the forward and for the backward on every micro-batch
+        # (a fully recomputed forward runs inside the backward, on the parameters gathered for it); gradients
+        # reduce-scattered per layer on every micro-batch (mlm-run: FSDP2 reduces as each micro-batch's backward
+        # ends) or once per step
         layers = max(1, round(len(inputs.block_names) * params / max(_block_params(inputs, layout), 1.0)))
         layers = min(layers, len(inputs.block_names) + 2)
-        gathers = 3 if layout.recompute == "full" else 2
+        gathers = 2
         reduces = m if options.zero3_reduce_every_microbatch else 1
         comm = sum(
             m * gathers * all_gather_s(2.0 * p, n, link, layers) + reduces * reduce_scatter_s(grb * p, n, link, layers)

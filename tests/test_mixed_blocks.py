@@ -20,7 +20,7 @@ from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.cost.hardware import resolve
 from mlm.planner.cost.inputs import ModelCostInputs, _mean, _numbers
-from mlm.planner.cost.step_time import StageAssignment, evaluate, stage_coefficients, summarize
+from mlm.planner.cost.step_time import StageAssignment, balanced_blocks, evaluate, stage_coefficients, summarize
 from mlm.planner.errors import PlanError
 from mlm.planner.layout import Layout
 from mlm.planner.search.layouts import (
@@ -98,6 +98,31 @@ def test_milp_balances_real_block_costs(mixed, pp: int, vpp: int, squeeze: bool)
     ]
     assert fitting, "the brute force found no split that fits"
     assert sol.bottleneck_s <= min(fitting) * (1 + 1e-7)
+
+
+@pytest.mark.parametrize("order", [[0, 0, 0, 0], [0, 1, 2, 0, 1]])
+def test_a_rank_that_recomputes_nothing_has_the_working_blocks_room(mixed, order: list[int]) -> None:
+    """Full recompute's working block is memory only on ranks that recompute (evaluate's rule). With HBM exactly
+    what the balanced split needs without recomputing, the MILP (identical and mixed blocks) finds an assignment
+    as fast as the best fitting one of every contiguous split and per-stage recompute choice (none or all)."""
+    _, base = mixed
+    inputs = _stack(base, order)
+    gpu, cluster = resolve("a100-80gb", None)
+    pp = 3
+    layout = Layout(tp=1, pp=pp, dp=1, micro_batch=1, num_microbatches=pp, recompute="full")
+    none = evaluate(inputs, layout, gpu, cluster, StageAssignment(balanced_blocks(len(order), pp), (0,) * pp))
+    gpu = replace(gpu, hbm_gib=none.peak_memory_bytes / 2**30 * (1 + 1e-9))
+    best = math.inf
+    for split in _splits(len(order), pp):
+        for rc in itertools.product(*[(0, n) for n in split]):
+            ev = evaluate(inputs, layout, gpu, cluster, StageAssignment(split, tuple(rc)))
+            if ev.fits:
+                best = min(best, _pipeline(ev))
+    request = PlanRequest(num_gpus=pp, global_batch=pp)
+    cand, _ = solve_layout(inputs, layout, gpu, cluster, request, stage_problem(inputs, layout, gpu, cluster))
+    assert cand is not None and cand.evaluation.fits
+    assert _pipeline(cand.evaluation) <= best * (1 + 1e-6)
+    assert not any(cand.assignment.recompute_blocks or ())  # nothing needs recomputing
 
 
 def test_counting_blocks_is_not_enough(mixed) -> None:

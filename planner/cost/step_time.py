@@ -241,6 +241,7 @@ class StageCoefficients:
     block_statics_bytes: tuple[float, ...] = ()
     block_acts_bytes: tuple[float, ...] = ()
     block_acts_recompute_bytes: tuple[float, ...] = ()
+    recompute_working_bytes: float = 0.0  # full recompute's working block, part of fixed_bytes (see above)
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
@@ -949,5 +950,6 @@ def stage_coefficients(
         inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches),
         fixed_bytes=fixed,
         capacity_bytes=gpu.hbm_gib * GIB - fixed,
+        recompute_working_bytes=working,
         **each,
     )

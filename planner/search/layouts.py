@@ -573,6 +573,7 @@ def stage_problem(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, clus
         block_statics_bytes=c.block_statics_bytes,
         block_acts_bytes=c.block_acts_bytes,
         block_acts_recompute_bytes=c.block_acts_recompute_bytes,
+        recompute_working_bytes=c.recompute_working_bytes,
     )
 
 

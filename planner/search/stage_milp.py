@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pulp
 
@@ -58,7 +59,7 @@ class StageProblem:
     pre_act_bytes: float
     post_act_bytes: float
     inflight: tuple[float, ...]  # per virtual stage
-    capacity_bytes: float
+    capacity_bytes: float  # HBM less the rank-wide terms, full recompute's working block among them
     allow_recompute: bool = True
     recompute_all: bool = False  # recompute pinned by the user: every block recomputes (r_i = n_i)
     # per block, in order, when blocks differ (StageCoefficients' tuples; the block_* scalars are then their means)
@@ -67,6 +68,9 @@ class StageProblem:
     block_statics_bytes: tuple[float, ...] = ()
     block_acts_bytes: tuple[float, ...] = ()
     block_acts_recompute_bytes: tuple[float, ...] = ()
+    # full recompute's working block (one block's activations while it is recomputed): evaluate() counts it only on
+    # ranks that recompute, so a rank that recomputes nothing has this much more room than capacity_bytes
+    recompute_working_bytes: float = 0.0
 
     @property
     def mixed(self) -> bool:
@@ -97,7 +101,6 @@ def memory_may_fit(p: StageProblem) -> bool:
         return False
     if p.mixed:
         return _mixed_may_fit(p)
-    last = S - 1
     act = p.block_act_bytes
     if p.recompute_all:
         act = p.block_act_recompute_bytes
@@ -105,21 +108,38 @@ def memory_may_fit(p: StageProblem) -> bool:
         act = min(act, p.block_act_recompute_bytes)
     room = 0
     for stages in _ranks(p):
-        fixed = 0.0
-        for i in stages:
-            fixed += p.block_static_bytes + p.inflight[i] * act
-            if i == 0:
-                fixed += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
-            if i == last:
-                fixed += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
-        spare = p.capacity_bytes - fixed
-        if spare < 0:
+        # a rank that recomputes saves activations but holds the working block; one that does not, the reverse
+        options = [(act, p.capacity_bytes), (p.block_act_bytes, p.capacity_bytes + _idle_room(p))]
+        held = [_uniform_rank_room(p, stages, a, cap) for a, cap in options]
+        if max(held) < 0:
             return False
-        per_block = p.block_static_bytes + min(p.inflight[i] for i in stages) * act
-        room += len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks)
+        room += max(held)
         if room >= p.num_blocks:
             return True
     return room >= p.num_blocks
+
+
+def _idle_room(p: StageProblem) -> float:
+    """The room a rank that recomputes nothing has beyond capacity_bytes (none when every block recomputes)."""
+    return 0.0 if p.recompute_all else p.recompute_working_bytes
+
+
+def _uniform_rank_room(p: StageProblem, stages: list[int], act: float, capacity: float) -> int:
+    """How many blocks a rank can hold at most at `act` activation bytes per block and micro-batch (at least one
+    per chunk); −1 when not even one per chunk fits."""
+    last = p.pp * p.vpp - 1
+    fixed = 0.0
+    for i in stages:
+        fixed += p.block_static_bytes + p.inflight[i] * act
+        if i == 0:
+            fixed += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
+        if i == last:
+            fixed += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
+    spare = capacity - fixed
+    if spare < 0:
+        return -1
+    per_block = p.block_static_bytes + min(p.inflight[i] for i in stages) * act
+    return len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks)
 
 
 def pipeline_lower_bound(
@@ -145,7 +165,7 @@ def pipeline_lower_bound(
     for stages in _ranks(p):
         prob += pulp.lpSum(_stage_time(p, n, r, i) for i in stages) <= T
     _placement(prob, p, n, r)
-    _rank_memory(prob, p, n, r)
+    _rank_memory(prob, p, n, r, integer=False)
     status = pulp.LpStatus[prob.solve(_solver(solver, time_limit_s))]
     if status == "Infeasible":
         return math.inf
@@ -193,6 +213,8 @@ def integer_lower_bound(p: StageProblem, num_microbatches: int, p2p_time_s: floa
         memory = fixed_m[r] + (n - first[r]) * (p.block_static_bytes + f_min[r] * p.block_act_bytes)
         need = 0
         over = memory - p.capacity_bytes
+        if not p.recompute_all and over <= _idle_room(p):
+            over = 0.0  # fits without recomputing, in the room the working block would take
         if p.recompute_all:
             need = n
             over -= n * f_max[r] * saved
@@ -329,8 +351,8 @@ def _rank_time(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, T: pulp.
             prob += p.vpp * stage_time(i) <= T
 
 
-def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> None:
-    """Static bytes plus in-flight activations fit each rank's capacity."""
+def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, integer: bool = True) -> None:
+    """Static bytes plus in-flight activations fit each rank's capacity (see _idle_capacity)."""
     last = p.pp * p.vpp - 1
     saved = p.block_act_bytes - p.block_act_recompute_bytes
     scale = 1.0 / 2**30  # GiB keeps the coefficients well conditioned for the solver
@@ -343,7 +365,18 @@ def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list) -> Non
                 terms.append((p.pre_static_bytes + f * p.pre_act_bytes) * scale)
             if i == last:
                 terms.append((p.post_static_bytes + f * p.post_act_bytes) * scale)
-        prob += pulp.lpSum(terms) <= p.capacity_bytes * scale
+        prob += pulp.lpSum(terms) <= _idle_capacity(prob, p, [r[i] for i in stages], integer) * scale
+
+
+def _idle_capacity(prob: pulp.LpProblem, p: StageProblem, recomputed: list, integer: bool) -> Any:
+    """A rank's capacity: capacity_bytes, plus the working block's bytes when it recomputes none of its blocks
+    (a binary y per rank, Σ r ≤ L·y; continuous in [0, 1] for the LP relaxation)."""
+    extra = _idle_room(p)
+    if extra <= 0 or not p.allow_recompute:
+        return p.capacity_bytes + (extra if not p.allow_recompute else 0.0)
+    y = pulp.LpVariable(f"y{len(prob.variables())}", lowBound=0, upBound=1, cat="Integer" if integer else "Continuous")
+    prob += pulp.lpSum(recomputed) <= p.num_blocks * y
+    return p.capacity_bytes + extra * (1 - y)
 
 
 def _solver(name: str, time_limit_s: float) -> pulp.LpSolver:
@@ -472,7 +505,8 @@ def _mixed_model(prob: pulp.LpProblem, p: StageProblem, integer: bool) -> tuple[
         tau.append(t)
         memory.append(mem)
     for stages in _ranks(p):
-        prob += pulp.lpSum(memory[i] for i in stages) <= p.capacity_bytes * scale
+        capacity = _idle_capacity(prob, p, [r[i] for i in stages], integer)
+        prob += pulp.lpSum(memory[i] for i in stages) <= capacity * scale
     return n, r, tau
 
 
@@ -542,15 +576,18 @@ def _edge_bytes(p: StageProblem, i: int) -> float:
 def _mixed_may_fit(p: StageProblem) -> bool:
     """memory_may_fit with each block as itself: every chunk's one block and every further block at the cheapest
     bytes any block has on that rank (a relaxation, as for identical blocks)."""
-    act = _mixed_act(p)
+    options = [(_mixed_act(p), p.capacity_bytes), (list(p.block_acts_bytes), p.capacity_bytes + _idle_room(p))]
     room = 0
     for stages in _ranks(p):
-        fixed = sum(_cheapest_block(p, act, p.inflight[i]) + _edge_bytes(p, i) for i in stages)
-        spare = p.capacity_bytes - fixed
-        if spare < 0:
+        held = -1
+        for act, capacity in options:  # recomputing (fewer activations) or not (the working block's room)
+            spare = capacity - sum(_cheapest_block(p, act, p.inflight[i]) + _edge_bytes(p, i) for i in stages)
+            if spare >= 0:
+                per_block = _cheapest_block(p, act, min(p.inflight[i] for i in stages))
+                held = max(held, len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks))
+        if held < 0:
             return False
-        per_block = _cheapest_block(p, act, min(p.inflight[i] for i in stages))
-        room += len(stages) + (int(spare // per_block) if per_block > 0 else p.num_blocks)
+        room += held
         if room >= p.num_blocks:
             return True
     return room >= p.num_blocks
@@ -577,23 +614,31 @@ def _mixed_integer_bound(p: StageProblem, m: int, p2p_time_s: float) -> float:
     most_saved = max(a - b for a, b in zip(p.block_acts_bytes, p.block_acts_recompute_bytes))
     ranks = _ranks(p)
     fixed_t, fixed_m, rest_m, f_max, first = [], [], [], [], []
+    plain_m, plain_rest = [], []  # the same without recompute (every block at its full activation bytes)
+
+    def least(act_of: list[float], stages: list[int]) -> tuple[float, list[float]]:
+        f_min = min(p.inflight[i] for i in stages)
+        fixed = sum(_cheapest_block(p, act_of, p.inflight[i]) + _edge_bytes(p, i) for i in stages)
+        return fixed, _prefix([s + f_min * a for s, a in zip(p.block_statics_bytes, act_of)])
+
     for stages in ranks:
         t = p.vpp * p2p_time_s + (p.pre_time_s if 0 in stages else 0.0) + (p.post_time_s if S - 1 in stages else 0.0)
         fixed_t.append(t)
-        fixed_m.append(
-            sum(
-                min(s + p.inflight[i] * a for s, a in zip(p.block_statics_bytes, act)) + _edge_bytes(p, i)
-                for i in stages
-            )
-        )
-        f_min = min(p.inflight[i] for i in stages)
-        rest_m.append(_prefix([s + f_min * a for s, a in zip(p.block_statics_bytes, act)]))
+        fixed, rest = least(act, stages)
+        fixed_m.append(fixed)
+        rest_m.append(rest)
+        fixed, rest = least(list(p.block_acts_bytes), stages)
+        plain_m.append(fixed)
+        plain_rest.append(rest)
         f_max.append(max(p.inflight[i] for i in stages))
         first.append(len(stages))
 
     def rank_time(r: int, n: int) -> float:
         if n - first[r] >= len(rest_m[r]):
             return math.inf
+        idle = _idle_room(p)
+        if not p.recompute_all and plain_m[r] + plain_rest[r][n - first[r]] - p.capacity_bytes <= idle:
+            return fixed_t[r] + times[n]  # fits without recomputing, in the room the working block would take
         over = fixed_m[r] + rest_m[r][n - first[r]] - p.capacity_bytes
         need = n if p.recompute_all else 0
         if over > 1e-6 * max(p.capacity_bytes, 1.0):

@@ -81,10 +81,12 @@ def rank_collectives(
     ddp_bucket_bytes: float = 25.0 * 2**20,
     zero3_reduce_every_microbatch: bool = True,
     units: dict[int, int] | None = None,
+    recompute_blocks: tuple[int, ...] | None = None,
 ) -> dict[str, CollectiveCount]:
     """Collectives of pipeline rank `pp_rank` in one step (see module doc); virtual stage i runs on rank i % pp.
     `units`: FSDP units per virtual stage when the IR knows them (parameter-holding layers + 1); by default the
-    merged pre / post layers count as one layer each."""
+    merged pre / post layers count as one layer each. `recompute_blocks`: blocks per virtual stage that run
+    layout.recompute (its first ones, as plan.json's recompute_layers; None: all of them)."""
     m, pp = layout.num_microbatches, layout.pp
     out: dict[str, CollectiveCount] = {}
     stages = [i for i in range(len(blocks_per_stage)) if i % pp == pp_rank]
@@ -98,8 +100,11 @@ def rank_collectives(
             layers.insert(0, inputs.pre)
         if i == last:
             layers.append(inputs.post)
-        for layer in layers:  # the layers before and after the blocks are not recomputed
-            _tp(out, layer, layout, m, layout.recompute if layer is inputs.block else "none")
+        recomputed = blocks_per_stage[i] if recompute_blocks is None else recompute_blocks[i]
+        for k, layer in enumerate(layers):  # the layers before and after the blocks are not recomputed
+            block = k - (1 if i == 0 else 0)
+            is_block = layer is inputs.block and 0 <= block < blocks_per_stage[i]
+            _tp(out, layer, layout, m, layout.recompute if is_block and block < recomputed else "none")
             if layout.tp > 1 and layout.sequence_parallel:
                 sp_tensors += layer.sp_param_count
                 sp_elems += layer.sp_param_elems

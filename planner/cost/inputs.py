@@ -61,6 +61,9 @@ class LayerCost:
     act_replicated: float = 0.0
     act_core: float = 0.0
     act_input: float = 0.0
+    # of act_replicated, the inputs the column-parallel linears save: under SP each is all-gathered once per tp
+    # region and autograd keeps the gathered (whole) tensor for the weight gradient, so they stay whole
+    act_gathered: float = 0.0
     output_bytes: float = 0.0
     params_sharded: float = 0.0  # divided by tp (linear weights and biases, vocabulary embedding)
     params_replicated: float = 0.0  # norms, position embeddings
@@ -194,6 +197,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
     kind = layer.kind
     vocab = kind in ("head", "loss")
     gemms, sharded_params, fwd, bwd = _linears(layer, ir)
+    gathered = bwd[1]  # distinct inputs of the column-parallel linears (before any MoE term)
     moe = getattr(layer, "moe", None)
     routed = dispatch = 0.0
     if moe is not None:
@@ -223,6 +227,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         act_replicated=replicated,
         act_core=a.attn_core,
         act_input=a.layer_input,
+        act_gathered=min(gathered, replicated),
         output_bytes=layer.output_bytes,
         params_sharded=float(min(sharded_params, layer.params)),
         params_replicated=float(layer.params - min(sharded_params, layer.params)),

@@ -98,15 +98,23 @@ def zero3_buffer_bytes(block: LayerCost, tp: int, zero: int, pipelined: bool = F
     return 0.0 if zero < 3 or pipelined else local_params(block, tp) * (2 * PARAM_BYTES + GRAD_BYTES)
 
 
-def activation_bytes(layer: LayerCost, recompute: str, tp: int, sp: bool, micro_batch: int) -> float:
-    """Saved activation bytes of one in-flight micro-batch of `layer` (Korthikanti et al. 2022, Table 2)."""
-    rep = layer.act_replicated / (tp if sp else 1)
+def activation_bytes(
+    layer: LayerCost, recompute: str, tp: int, sp: bool, micro_batch: int, gathered_inputs: bool = True
+) -> float:
+    """Saved activation bytes of one in-flight micro-batch of `layer` (Korthikanti et al. 2022, Table 2), as
+    mlm-run saves them: under SP the residual-stream tensors are sequence shards (÷tp) except the column-parallel
+    linears' inputs, which autograd saves as gathered (gathered_inputs=False: Megatron, which saves the shard and
+    re-gathers it in backward)."""
+    gathered = layer.act_gathered if sp and tp > 1 and gathered_inputs else 0.0
+    rep = (layer.act_replicated - gathered) / (tp if sp else 1) + gathered
     if recompute == "full":
         return micro_batch * layer.act_input / (tp if sp else 1)
     sharded = layer.act_sharded - (layer.act_core if recompute == "selective" else 0.0)
     return micro_batch * (sharded / tp + rep)
 
 
-def working_bytes(block: LayerCost, recompute: str, tp: int, sp: bool, micro_batch: int) -> float:
+def working_bytes(
+    block: LayerCost, recompute: str, tp: int, sp: bool, micro_batch: int, gathered_inputs: bool = True
+) -> float:
     """Transient activations of the block being recomputed under full recompute (once per GPU)."""
-    return activation_bytes(block, "none", tp, sp, micro_batch) if recompute == "full" else 0.0
+    return activation_bytes(block, "none", tp, sp, micro_batch, gathered_inputs) if recompute == "full" else 0.0

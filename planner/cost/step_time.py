@@ -132,6 +132,9 @@ class CostOptions:
         and DDP on fp32 gradients; Megatron-LM 2021: 2, fp16 all-reduce).
     tp_overlap: fraction of tensor-parallel collective time hidden behind the block's GEMMs (Megatron-Core
         --tp-comm-overlap); 0 in mlm-run and in Megatron-LM 2021/2022.
+    sp_saves_gathered_inputs: under SP the column-parallel linears' inputs are saved gathered (mlm-run: torch's
+        autograd keeps the all-gathered tensor, measured by mlm-run --dry-run) or as the rank's sequence shard,
+        re-gathered in backward (False: Megatron-LM, Korthikanti et al. 2022).
     """
 
     dp_overlap: float = 1.0
@@ -139,11 +142,12 @@ class CostOptions:
     zero3_reduce_every_microbatch: bool = True
     grad_reduce_bytes: float = 4.0
     tp_overlap: float = 0.0
+    sp_saves_gathered_inputs: bool = True
 
 
 MLM_RUN = CostOptions()
 MEGATRON_2021 = CostOptions(
-    dp_overlap=0.0, zero3_reduce_every_microbatch=False, grad_reduce_bytes=2.0
+    dp_overlap=0.0, zero3_reduce_every_microbatch=False, grad_reduce_bytes=2.0, sp_saves_gathered_inputs=False
 )  # Narayanan et al. 2021 / Korthikanti et al. 2022 runs: no DP overlap
 
 
@@ -397,6 +401,7 @@ def _block_terms(
     seq: int,
     tp_overlap: float,
     cluster: ClusterProfile,
+    gathered: bool = True,
 ) -> tuple[tuple[_BlockTerms, ...], tuple[int, ...]]:
     """Each distinct block's terms and every block's index into them. Identical blocks: one entry, the block
     (`inputs.block`, its all-to-alls spread by moe_share); differing blocks (dense-then-MoE, sliding/full
@@ -413,8 +418,8 @@ def _block_terms(
                 _layer_times(c, layout, gpu, tp_link, seq, tp_overlap, cluster, share),
                 params,
                 experts,
-                activation_bytes(c, "none", tp, sp, mb),
-                activation_bytes(c, layout.recompute, tp, sp, mb),
+                activation_bytes(c, "none", tp, sp, mb, gathered),
+                activation_bytes(c, layout.recompute, tp, sp, mb, gathered),
             )
         )
     return tuple(terms), kind_of
@@ -456,13 +461,13 @@ def _stage_blocks(
     return tuple(out)  # type: ignore[return-value]
 
 
-def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout) -> tuple[float, float]:
+def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout, gathered: bool = True) -> tuple[float, float]:
     """(ZeRO-3 gather buffer, full recompute's working activations): one block's worth per GPU, the largest
     kind's when blocks differ."""
     tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
     kinds = (inputs.block,) if inputs.uniform_blocks else inputs.block_kinds[0]
     buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1) for c in kinds)
-    working = max(working_bytes(c, layout.recompute, tp, sp, mb) for c in kinds)
+    working = max(working_bytes(c, layout.recompute, tp, sp, mb, gathered) for c in kinds)
     return buffer, working
 
 
@@ -512,14 +517,15 @@ def evaluate(
     p2p = _p2p_time(inputs, layout, cluster, tp_link)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
-    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster)
-    a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb)
-    a_post = activation_bytes(inputs.post, "none", tp, sp, mb)
+    g = options.sp_saves_gathered_inputs
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster, g)
+    a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb, g)
+    a_post = activation_bytes(inputs.post, "none", tp, sp, mb, g)
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
     p_post, e_post = rank_params(inputs.post, tp, layout.ep)
     p_post += inputs.tied_params / tp if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
-    buffer, working = _rank_wide_bytes(inputs, layout)
+    buffer, working = _rank_wide_bytes(inputs, layout, g)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
     stages: list[StageCost] = []
@@ -602,6 +608,7 @@ _TOKEN_FIELDS = (
     "core_bytes",
     "act_sharded",
     "act_replicated",
+    "act_gathered",
     "act_core",
     "act_input",
     "output_bytes",
@@ -892,7 +899,8 @@ def stage_coefficients(
     tp_link = group_link(cluster, tp, 1)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     o = options.tp_overlap
-    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster)
+    g = options.sp_saves_gathered_inputs
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster, g)
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
     per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1).static
@@ -909,7 +917,7 @@ def stage_coefficients(
     def time(t: _LayerTimes) -> float:
         return t.forward_s + t.backward_s + t.tp_s + (t.ep_s + t.cp_s)
 
-    buffer, working = _rank_wide_bytes(inputs, layout)
+    buffer, working = _rank_wide_bytes(inputs, layout, g)
     fixed = cluster.memory_reserve_gib * GIB + buffer + working
     kind_time = [time(b.times) for b in terms]
     kind_extra = [b.times.recompute_s for b in terms]
@@ -945,8 +953,8 @@ def stage_coefficients(
         post_static_bytes=edge_static(inputs.post, inputs.tied_params / tp if layout.pp > 1 else 0.0),
         block_act_bytes=mean("block_acts_bytes", kind_act),
         block_act_recompute_bytes=mean("block_acts_recompute_bytes", kind_act_rc),
-        pre_act_bytes=activation_bytes(inputs.pre, "none", tp, layout.sequence_parallel, layout.micro_batch),
-        post_act_bytes=activation_bytes(inputs.post, "none", tp, layout.sequence_parallel, layout.micro_batch),
+        pre_act_bytes=activation_bytes(inputs.pre, "none", tp, layout.sequence_parallel, layout.micro_batch, g),
+        post_act_bytes=activation_bytes(inputs.post, "none", tp, layout.sequence_parallel, layout.micro_batch, g),
         inflight=inflight(layout.pp, layout.vpp, layout.num_microbatches),
         fixed_bytes=fixed,
         capacity_bytes=gpu.hbm_gib * GIB - fixed,

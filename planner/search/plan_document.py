@@ -58,11 +58,14 @@ def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignme
     kinds = {layer.name: layer.kind for layer in ir.layers}
     units = {}
     for i, (layers, _) in enumerate(stage_layers(ir, layout, assignment)):
-        # one FSDP unit per parameter-holding layer, plus the stage's own; a tied embedding whose head runs on the
-        # same stage stays in the stage's unit (runtime/data_parallel.py: FSDP2 cannot shard one parameter twice)
-        shared = ir.tied_embeddings and any(kinds[x] == "head" for x in layers)
+        # one FSDP unit per parameter-holding layer (runtime/data_parallel.py), and the stage's own, which issues
+        # collectives only when it holds parameters: a tied embedding whose head runs on the same stage stays in
+        # it instead of being a unit (FSDP2 cannot shard one parameter twice). A tied head on a stage without its
+        # embedding holds its own copy (the IR counts tied parameters once, at the embedding).
+        head = any(kinds[x] == "head" for x in layers)
         embedding = next((x for x in layers if kinds[x] == "embedding" and params[x] > 0), None)
-        units[i] = sum(1 for x in layers if params.get(x, 0) > 0) + 1 - (1 if shared and embedding else 0)
+        copy = ir.tied_embeddings and head and embedding is None
+        units[i] = sum(1 for x in layers if params.get(x, 0) > 0) + (1 if copy else 0)
     out = []
     for rank in range(layout.pp):
         ops = rank_collectives(
@@ -74,6 +77,7 @@ def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignme
             MLM_RUN.ddp_bucket_bytes,
             MLM_RUN.zero3_reduce_every_microbatch,
             units,
+            assignment.recompute_blocks if assignment else None,
         )
         out.append({op: {"count": c.count, "bytes": c.bytes} for op, c in sorted(ops.items())})
     return out

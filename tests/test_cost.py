@@ -272,9 +272,12 @@ def test_stage_coefficients_reproduce_evaluate(gpt3, hw, kw):
                 lhs += c.pre_static_bytes + f * c.pre_act_bytes
             if i == S - 1:
                 lhs += c.post_static_bytes + f * c.post_act_bytes
-        # the full-recompute working block is in fixed_bytes (conservative); evaluate counts it where a rank recomputes
+            lhs += c.stage_buffer_bytes[i]
+        # the full-recompute working block is in fixed_bytes; evaluate counts it where a rank recomputes (and so
+        # does the MILP: recompute_working_bytes is the room of a rank that recomputes nothing)
         idle = not any(rcs[i] for i in range(rank, S, layout.pp))
         working = working_bytes(gpt3.block, layout.recompute, layout.tp, layout.sequence_parallel, layout.micro_batch)
+        assert c.recompute_working_bytes == pytest.approx(working)
         assert ev.rank_memory[rank].total == pytest.approx(lhs + c.fixed_bytes - (working if idle else 0), rel=1e-9)
     assert c.capacity_bytes == pytest.approx(hw[0].hbm_gib * GIB - c.fixed_bytes)
 

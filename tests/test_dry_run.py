@@ -192,7 +192,8 @@ def test_dry_run_collectives_equal_the_cost_models(name: str, tmp_path: Path) ->
     """Every collective the runtime issues in one step (tensor-parallel all-reduces or SP gathers and scatters, the
     embedding's and the loss's vocabulary-parallel reductions, SP norm gradients, FSDP gathers and reduce-scatters,
     pipeline sends, the one grad-norm all-reduce) is one the cost model counts: equal counts per op, bytes within
-    5%; and on one stage the measured peak is within 10% of plan.json's."""
+    5%; and on every stage the measured peak is within 10% of plan.json's (15% on a pipeline's last stage, see
+    below)."""
     pins = _EXACT[name] if "--recompute" in _EXACT[name] else (*_EXACT[name], "--recompute", "none")
     plan_path = _plan(tmp_path, name, *pins, "--micro-batch", "2", shape=SMALL)
     proc = _cli("mlm.cli.run", str(plan_path), "--dry-run", "--json", cwd=tmp_path)
@@ -203,6 +204,11 @@ def test_dry_run_collectives_equal_the_cost_models(name: str, tmp_path: Path) ->
         for op, m in measured.items():
             assert m["count"] == predicted[op]["count"], (rank["stage"], op)
             assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), (rank["stage"], op)
-        if "pp2" not in name:
-            peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
-            assert peak == pytest.approx(want, rel=0.10)
+        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
+        print(name, rank["stage"], f"peak {peak / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
+        if "pp2" in name and rank["stage"][-1] == 1:
+            # not yet priced: loss_parallel's transients on the last pipeline stage (~22 bytes per local logit
+            # measured, 4 priced): within 15% here, and the gap grows with the vocabulary (issue 12)
+            assert peak == pytest.approx(want, rel=0.15)
+            continue
+        assert peak == pytest.approx(want, rel=0.10)

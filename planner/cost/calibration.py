@@ -172,7 +172,9 @@ def calibrate(
 
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream
-    "megatron-core": CostOptions(dp_overlap=1.0, tp_overlap=1.0, sp_saves_gathered_inputs=False),  # overlap flags
+    "megatron-core": CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap
+        dp_overlap=1.0, tp_overlap=1.0, sp_saves_gathered_inputs=False, pipeline_buffers_every_microbatch=False
+    ),
     "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
     # MosaicML Composer FSDP (FULL_SHARD, prefetch), gradients reduce-scattered on every micro-batch;
     # mixed precision PURE reduces bf16 gradients, DEFAULT fp32

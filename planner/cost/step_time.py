@@ -135,6 +135,9 @@ class CostOptions:
     sp_saves_gathered_inputs: under SP the column-parallel linears' inputs are saved gathered (mlm-run: torch's
         autograd keeps the all-gathered tensor, measured by mlm-run --dry-run) or as the rank's sequence shard,
         re-gathered in backward (False: Megatron-LM, Korthikanti et al. 2022).
+    pipeline_buffers_every_microbatch: the pipeline keeps a receive buffer per micro-batch and direction for the
+        whole step (torch's PipelineStage, mlm-run); False: only the in-flight ones, which the activations already
+        count (Megatron-LM allocates each receive as it runs).
     """
 
     dp_overlap: float = 1.0
@@ -143,11 +146,16 @@ class CostOptions:
     grad_reduce_bytes: float = 4.0
     tp_overlap: float = 0.0
     sp_saves_gathered_inputs: bool = True
+    pipeline_buffers_every_microbatch: bool = True
 
 
 MLM_RUN = CostOptions()
 MEGATRON_2021 = CostOptions(
-    dp_overlap=0.0, zero3_reduce_every_microbatch=False, grad_reduce_bytes=2.0, sp_saves_gathered_inputs=False
+    dp_overlap=0.0,
+    zero3_reduce_every_microbatch=False,
+    grad_reduce_bytes=2.0,
+    sp_saves_gathered_inputs=False,
+    pipeline_buffers_every_microbatch=False,
 )  # Narayanan et al. 2021 / Korthikanti et al. 2022 runs: no DP overlap
 
 
@@ -217,8 +225,9 @@ class StageCoefficients:
     n_i·block_time_s + r_i·block_recompute_extra_s + [i=0]·pre_time_s + [i=S−1]·post_time_s + p2p_time_s, and a
     rank's memory equals Σ_i n_i·block_static_bytes + [i=0]·pre_static_bytes + [i=S−1]·post_static_bytes
     + inflight[i]·((n_i−r_i)·block_act_bytes + r_i·block_act_recompute_bytes + [i=0]·pre_act_bytes
-    + [i=S−1]·post_act_bytes) + the rank-wide terms. capacity_bytes is HBM minus the rank-wide terms (reserve,
-    ZeRO-3 buffer, and full recompute's working block, which evaluate counts only on ranks that recompute).
+    + [i=S−1]·post_act_bytes) + stage_buffer_bytes[i] + the rank-wide terms. capacity_bytes is HBM minus the
+    rank-wide terms (reserve, ZeRO-3 buffer, and full recompute's working block, which evaluate counts only on
+    ranks that recompute).
     When blocks differ, the block_*s tuples give each block's own numbers and the sums above run over the blocks
     of stage i (its first r_i recomputed); the scalars are then their means (n·mean is the blocks' total).
     """
@@ -246,6 +255,7 @@ class StageCoefficients:
     block_acts_bytes: tuple[float, ...] = ()
     block_acts_recompute_bytes: tuple[float, ...] = ()
     recompute_working_bytes: float = 0.0  # full recompute's working block, part of fixed_bytes (see above)
+    stage_buffer_bytes: tuple[float, ...] = ()  # pipeline_buffer_bytes: each virtual stage's, block-independent
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
@@ -474,6 +484,21 @@ def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout, gathered: bool = T
 # ---- evaluate ----------------------------------------------------------------------------------------------------
 
 
+def pipeline_buffer_bytes(
+    inputs: ModelCostInputs, layout: Layout, options: CostOptions = CostOptions()
+) -> tuple[float, ...]:
+    """Per virtual stage, the receive buffers torch's PipelineStage allocates for the step and keeps: one per
+    micro-batch for the activation it receives (all but the first stage) and one for the gradient of its output
+    (all but the last), each a boundary activation (the rank's sequence shard under SP). Not only the in-flight
+    ones: torch prepares every micro-batch's buffers before the schedule runs (runtime/dry_run.py counts them)."""
+    stages = layout.pp * layout.vpp
+    if layout.pp == 1 or not options.pipeline_buffers_every_microbatch:
+        return (0.0,) * stages
+    boundary = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+    m = layout.num_microbatches
+    return tuple(m * boundary * ((i > 0) + (i < stages - 1)) for i in range(stages))
+
+
 def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment) -> None:
     stages = layout.pp * layout.vpp
     if layout.cp < 1 or layout.ep < 1 or (layout.dp * layout.cp) % layout.ep:
@@ -526,6 +551,7 @@ def evaluate(
     p_post += inputs.tied_params / tp if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
     buffer, working = _rank_wide_bytes(inputs, layout, g)
+    buffers = pipeline_buffer_bytes(inputs, layout, options)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
     stages: list[StageCost] = []
@@ -553,7 +579,7 @@ def evaluate(
             static.params + (buffer if rank_wide else 0.0),
             static.grads,
             static.optimizer,
-            flight[i] * acts + (working if rank_wide and recomputing[i] else 0.0),
+            flight[i] * acts + buffers[i] + (working if rank_wide and recomputing[i] else 0.0),
             reserve if rank_wide else 0.0,
         )
         layers = (inputs.pre.names if first else ()) + names[pos : pos + n] + (inputs.post.names if last else ())
@@ -959,5 +985,6 @@ def stage_coefficients(
         fixed_bytes=fixed,
         capacity_bytes=gpu.hbm_gib * GIB - fixed,
         recompute_working_bytes=working,
+        stage_buffer_bytes=pipeline_buffer_bytes(inputs, layout, options),
         **each,
     )

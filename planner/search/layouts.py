@@ -574,6 +574,7 @@ def stage_problem(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, clus
         block_acts_bytes=c.block_acts_bytes,
         block_acts_recompute_bytes=c.block_acts_recompute_bytes,
         recompute_working_bytes=c.recompute_working_bytes,
+        stage_buffer_bytes=c.stage_buffer_bytes,
     )
 
 

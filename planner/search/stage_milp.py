@@ -71,6 +71,8 @@ class StageProblem:
     # full recompute's working block (one block's activations while it is recomputed): evaluate() counts it only on
     # ranks that recompute, so a rank that recomputes nothing has this much more room than capacity_bytes
     recompute_working_bytes: float = 0.0
+    # per virtual stage: torch's PipelineStage receive buffers (one per micro-batch and direction), block-independent
+    stage_buffer_bytes: tuple[float, ...] = ()
 
     @property
     def mixed(self) -> bool:
@@ -127,14 +129,9 @@ def _idle_room(p: StageProblem) -> float:
 def _uniform_rank_room(p: StageProblem, stages: list[int], act: float, capacity: float) -> int:
     """How many blocks a rank can hold at most at `act` activation bytes per block and micro-batch (at least one
     per chunk); −1 when not even one per chunk fits."""
-    last = p.pp * p.vpp - 1
     fixed = 0.0
     for i in stages:
-        fixed += p.block_static_bytes + p.inflight[i] * act
-        if i == 0:
-            fixed += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
-        if i == last:
-            fixed += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
+        fixed += p.block_static_bytes + p.inflight[i] * act + _edge_bytes(p, i)
     spare = capacity - fixed
     if spare < 0:
         return -1
@@ -196,13 +193,11 @@ def integer_lower_bound(p: StageProblem, num_microbatches: int, p2p_time_s: floa
         t = p.vpp * p2p_time_s
         m = 0.0
         for i in stages:
-            m += p.block_static_bytes + p.inflight[i] * p.block_act_bytes
+            m += p.block_static_bytes + p.inflight[i] * p.block_act_bytes + _edge_bytes(p, i)
             if i == 0:
                 t += p.pre_time_s
-                m += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
             if i == last:
                 t += p.post_time_s
-                m += p.post_static_bytes + p.inflight[i] * p.post_act_bytes
         fixed_t.append(t)
         fixed_m.append(m)
         f_min.append(min(p.inflight[i] for i in stages))
@@ -353,7 +348,6 @@ def _rank_time(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, T: pulp.
 
 def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, integer: bool = True) -> None:
     """Static bytes plus in-flight activations fit each rank's capacity (see _idle_capacity)."""
-    last = p.pp * p.vpp - 1
     saved = p.block_act_bytes - p.block_act_recompute_bytes
     scale = 1.0 / 2**30  # GiB keeps the coefficients well conditioned for the solver
     for stages in _ranks(p):
@@ -361,10 +355,7 @@ def _rank_memory(prob: pulp.LpProblem, p: StageProblem, n: list, r: list, intege
         for i in stages:
             f = p.inflight[i]
             terms.append(n[i] * (p.block_static_bytes + f * p.block_act_bytes) * scale - r[i] * f * saved * scale)
-            if i == 0:
-                terms.append((p.pre_static_bytes + f * p.pre_act_bytes) * scale)
-            if i == last:
-                terms.append((p.post_static_bytes + f * p.post_act_bytes) * scale)
+            terms.append(_edge_bytes(p, i) * scale)
         prob += pulp.lpSum(terms) <= _idle_capacity(prob, p, [r[i] for i in stages], integer) * scale
 
 
@@ -494,13 +485,11 @@ def _mixed_model(prob: pulp.LpProblem, p: StageProblem, integer: bool) -> tuple[
         n.append(_span(ones, lo, hi))
         r.append(_span(ones, lo, rc))
         t = _span(time_s, lo, hi) + _span(extra_s, lo, rc)
-        mem = _span(held, lo, hi) - _span(saved, lo, rc)
+        mem = _span(held, lo, hi) - _span(saved, lo, rc) + _edge_bytes(p, i) * scale
         if i == 0:
             t += p.pre_time_s
-            mem += (p.pre_static_bytes + f * p.pre_act_bytes) * scale
         if i == last:
             t += p.post_time_s
-            mem += (p.post_static_bytes + f * p.post_act_bytes) * scale
         prob += n[i] >= 1
         tau.append(t)
         memory.append(mem)
@@ -564,8 +553,9 @@ def _cheapest_block(p: StageProblem, act: list[float], inflight: float) -> float
 
 
 def _edge_bytes(p: StageProblem, i: int) -> float:
-    """Static and activation bytes of the layers before / after the blocks that virtual stage i holds."""
-    out = 0.0
+    """Bytes of virtual stage i that do not depend on its blocks: the layers before / after the blocks it holds,
+    and its pipeline receive buffers."""
+    out = p.stage_buffer_bytes[i] if p.stage_buffer_bytes else 0.0
     if i == 0:
         out += p.pre_static_bytes + p.inflight[i] * p.pre_act_bytes
     if i == p.pp * p.vpp - 1:

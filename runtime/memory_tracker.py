@@ -37,7 +37,11 @@ CATEGORIES = (
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The storages holding `t`'s data: its own, or its inner tensors' for a wrapper subclass (DTensor)."""
+    """The storages holding `t`'s data: its own, or its inner tensors' for a wrapper subclass (DTensor). None for a
+    tensor on the meta device (a fake tensor's device is the one it stands for): it holds no memory, though its
+    storage reports bytes."""
+    if t.device.type == "meta":
+        return []
     flatten = getattr(t, "__tensor_flatten__", None)
     if flatten is not None and type(t) is not torch.Tensor and not hasattr(t, "fake_mode"):
         names, _ = flatten()
@@ -62,6 +66,7 @@ class StorageTracker(TorchDispatchMode):
         self._current = 0.0
         self._forced: list[str] = []
         self._resize: Any = None
+        self._paused = 0
 
     # ---- bookkeeping ----
 
@@ -88,6 +93,15 @@ class StorageTracker(TorchDispatchMode):
             yield
         finally:
             self._forced.pop()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Storages created inside are not counted (bookkeeping that a real run does on meta tensors)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def _category_now(self) -> str:
         if self._forced:
@@ -140,6 +154,8 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 for st in _storages(t):

@@ -19,7 +19,8 @@ step_time.py's docstring):
            and micro-batch (once per step under pipelining); zero 3: per unit and micro-batch one all-gather in
            forward and one in backward (a fully recomputed forward runs on it), and one reduce-scatter
            (CostOptions.zero3_reduce_every_microbatch; once per step when False)
-  tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank
+  tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank (of the
+           rank's dp shard under ZeRO >= 1)
   norm     more than one rank: one all-reduce of the squared gradient norm (4 bytes) over every rank
 FSDP units are what runtime/data_parallel.py wraps: every layer that holds parameters, plus the stage itself.
 """
@@ -118,7 +119,9 @@ def rank_collectives(
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
         params += inputs.tied_params / layout.tp if 0 not in stages or last not in stages else 0.0
-        _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / layout.tp)
+        # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
+        shard = layout.tp * (layout.dp if layout.zero >= 1 else 1)
+        _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / shard)
     if layout.dp > 1:
         grads = grad_reduce_bytes * params
         if layout.zero == 0:

@@ -737,7 +737,9 @@ def _dp_time(
             exposed = max(exposed, t)
     if pp > 1 and inputs.tied_params:
         exposed += all_reduce_s(
-            options.grad_reduce_bytes * inputs.tied_params / layout.tp, 2, p2p_link(cluster, layout.tp * layout.cp * dp)
+            options.grad_reduce_bytes * inputs.tied_params / (layout.tp * (dp if layout.zero >= 1 else 1)),
+            2,
+            p2p_link(cluster, layout.tp * layout.cp * dp),
         )
     if layout.tp > 1 and layout.sequence_parallel:  # SP norm gradients, the fullest rank's (ceil(blocks / pp))
         blocks = math.ceil(inputs.num_blocks / pp)

@@ -9,7 +9,8 @@ Styles (module FQN or fnmatch pattern -> style):
   vocab     nn.Embedding: RowwiseParallel (vocabulary-sharded table, Replicate output);
             nn.Linear head: ColwiseParallel with a vocabulary-sharded DTensor output, consumed by loss_parallel()
   sequence  SequenceParallel (norms / dropout on sequence shards) when the layout has sequence_parallel, else none
-  replicate nothing (parameters stay replicated over tp)
+  replicate nothing (parameters stay replicated over tp); a linear under SP gets its sequence-sharded input
+            gathered (a head whose vocabulary tp does not divide)
 
 Regions (what runs for attention and MLP blocks). The direct parent P of colwise and rowwise linears (the attention
 or MLP module of a block) is a *region* when its colwise linears all read P's input. P's input is prepared once
@@ -49,6 +50,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -104,6 +106,12 @@ def features(module: nn.Module) -> tuple[int, int]:
 def style_for(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
     """The style of a linear outside any region (and of embeddings, heads, norms)."""
     seq = Shard(SEQ_DIM) if sequence_parallel else Replicate()
+    if style == "replicate" and sequence_parallel and is_linear(module):
+        # a replicated linear on the sequence-sharded residual stream (an output head whose vocabulary tp does not
+        # divide): gather its input once and compute the whole sequence with the plain weight, so that every tp
+        # rank holds the same output and the same, complete, weight gradient (on the shard alone the gradient
+        # would be a partial sum, a DTensor FSDP2 cannot reduce). Backward: a local slice, no communication.
+        return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
     if style == "replicate" or (style == "sequence" and not sequence_parallel):
         return None
     if style == "sequence":

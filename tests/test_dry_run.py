@@ -203,6 +203,20 @@ _EXACT = {
         "full",
     ),
     "z3-full": ("--gpus", "4", "--dp", "4", "--zero", "3", "--recompute", "full"),
+    # a vocabulary tp does not divide (GPT-2's 50257 at tp 2): replicated embedding and head, the head's input gathered
+    "tp2sp-odd-vocab": (
+        "--gpus",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--sequence-parallel",
+        "--zero",
+        "0",
+        "--model-arg",
+        "vocab_size=1025",
+    ),
 }
 
 

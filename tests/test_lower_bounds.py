@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, list_gpus, resolve
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp
 from mlm.planner.cost.step_time import MEGATRON_2021, MLM_RUN, CostOptions, Evaluation, evaluate, summarize
 from mlm.planner.layout import Layout
 
@@ -111,7 +111,9 @@ def bounds(
     cluster: ClusterProfile,
     options: CostOptions = CostOptions(),
 ) -> dict:
-    """Lower bounds of each breakdown term on the bottleneck rank (and dp/optimizer on the busiest rank)."""
+    """Lower bounds of each breakdown term on the bottleneck rank (and dp/optimizer on the busiest rank), of the
+    program that runs (for_tp: a tp that does not divide the vocabulary leaves embedding, head and loss replicated)."""
+    inputs = for_tp(inputs, lo.tp)
     m, mb, tp, last = lo.num_microbatches, lo.micro_batch, lo.tp, lo.pp * lo.vpp - 1
     peak = gpu.bf16_tflops * 1e12
     gpn = cluster.gpus_per_node

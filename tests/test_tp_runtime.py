@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime_harness import GPT_ARGS, LLAMA_ARGS, LLAMA_TP, SEQ, VOCAB, make_plan, run_workers
+from test_runtime_harness import GPT_ARGS, GPT_SP, GPT_TP, LLAMA_ARGS, LLAMA_TP, SEQ, VOCAB, make_plan, run_workers
 
 from mlm.planner.cost.tp_collectives import tp_block_collectives
 from mlm.planner.errors import PlanError
@@ -223,6 +223,24 @@ def test_tp_matches_one_process_under_adamw() -> None:
                 continue
             worst = _max(diff)
             assert worst <= ATOL, f"{kind} sp={sp} {opts.optimizer}: {name} differs by {worst}"
+
+
+def test_sp_with_a_vocabulary_tp_does_not_divide_matches_one_process() -> None:
+    """GPT-2's 50257 tokens at tp 2: the embedding and the head stay replicated; under SP the head's input is
+    gathered, so every rank computes the whole logits and the complete head (tied embedding) gradient. tp2 + SP,
+    2 micro-batches, 3 SGD steps, against one process (this crashed in FSDP2's reduction before: the head's
+    gradient was a partial-sum DTensor of a plain parameter)."""
+    args = {**GPT_ARGS, "vocab_size": VOCAB + 1}
+    tp_map = {**GPT_TP, "transformer.wte": "replicate", "lm_head": "replicate", **GPT_SP}
+    opts = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0)
+    one = make_plan("gpt", micro_batch=2, num_microbatches=2, args=args)
+    two = make_plan("gpt", tp=2, sp=True, micro_batch=2, num_microbatches=2, args=args, tp_map=tp_map)
+    ref_losses, ref_params = _merged(run_workers(1, _train, [(one, opts)]), 0)
+    losses, params = _merged(run_workers(2, _train, [(two, opts)]), 0)
+    assert losses == pytest.approx(ref_losses, abs=ATOL)
+    assert set(params) == set(ref_params)
+    for name, ref in ref_params.items():
+        assert _max((params[name] - ref).abs()) <= ATOL, name
 
 
 # ------------------------------------------------------------------------------------------ the region check

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp
 from mlm.planner.cost.memory import local_params
 from mlm.planner.layout import Layout
 
@@ -88,6 +88,7 @@ def rank_collectives(
     `units`: FSDP units per virtual stage when the IR knows them (parameter-holding layers + 1); by default the
     merged pre / post layers count as one layer each. `recompute_blocks`: blocks per virtual stage that run
     layout.recompute (its first ones, as plan.json's recompute_layers; None: all of them)."""
+    inputs = for_tp(inputs, layout.tp)
     m, pp = layout.num_microbatches, layout.pp
     out: dict[str, CollectiveCount] = {}
     stages = [i for i in range(len(blocks_per_stage)) if i % pp == pp_rank]

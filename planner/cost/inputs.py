@@ -82,6 +82,9 @@ class LayerCost:
     # partial sum over the sequence shards, all-reduced over tp once per step
     sp_param_count: int = 0
     sp_param_elems: float = 0.0
+    # the vocabulary of a layer priced as vocabulary-parallel (embedding, head, loss); a tp that does not divide it
+    # leaves the layer replicated (for_tp)
+    vocab_size: int = 0
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
     expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
     dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·bf16
@@ -184,6 +187,42 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
     )
 
 
+def for_tp(inputs: ModelCostInputs, tp: int) -> ModelCostInputs:
+    """`inputs` as tp runs them: the embedding, head and loss stay replicated when tp does not divide the vocabulary
+    (runtime/tensor_parallel.py: 'replicate' styles; under SP the head's input is gathered and every rank computes
+    the whole logits)."""
+    if tp == 1 or not any(c.vocab_size % tp for c in (inputs.pre, inputs.post) if c.vocab_size):
+        return inputs
+    return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
+
+
+def _replicated_vocab(c: LayerCost, tp: int) -> LayerCost:
+    if not c.vocab_size or c.vocab_size % tp == 0:
+        return c
+    gemms = tuple(replace(g, split="replicate") if g.split == "vocab" else g for g in c.gemms)
+    # the head's input (what its backward all-reduce carried) is gathered once under SP instead
+    head_input = c.tp_bwd_bytes if any(g.split == "vocab" for g in c.gemms) else 0.0
+    whole = c.act_sharded + c.act_replicated  # logits and their loss on the whole sequence, on every rank
+    return replace(
+        c,
+        gemms=gemms,
+        params_sharded=0.0,
+        params_replicated=c.params_sharded + c.params_replicated,
+        act_sharded=0.0,
+        act_replicated=whole,
+        act_gathered=whole if head_input else min(c.act_gathered, whole),
+        mem_sharded=0.0,
+        mem_replicated=c.mem_sharded + c.mem_replicated,
+        tp_fwd_count=0,
+        tp_fwd_bytes=0.0,
+        tp_bwd_count=0,
+        tp_bwd_bytes=0.0,
+        tp_fixed_count=0,
+        tp_fixed_bytes=0.0,
+        sp_gather_bytes=c.sp_gather_bytes + head_input,
+    )
+
+
 def _active_params(ir: ModelIR) -> int:
     active = getattr(ir, "active_params", None)  # IRs pickled before MoE support lack the property's inputs
     return int(active) if isinstance(active, int) else ir.num_params
@@ -239,6 +278,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         tp_fixed_bytes=fixed[1],
         sp_param_count=sp_count,
         sp_param_elems=sp_elems,
+        vocab_size=ir.vocab_size if kind in ("embedding", "head", "loss") else 0,
         model_flops=layer.flops_matmul + layer.flops_attention,
         expert_params=routed,
         dispatch_bytes=dispatch,
@@ -395,10 +435,11 @@ def _merge(costs: list[LayerCost]) -> LayerCost:
             gemms=out.gemms + c.gemms,
             attn_materialized=out.attn_materialized or c.attn_materialized,
             head_dim=max(out.head_dim, c.head_dim),
+            vocab_size=max(out.vocab_size, c.vocab_size),
             **{
                 f.name: getattr(out, f.name) + getattr(c, f.name)
                 for f in fields(c)
-                if f.name not in ("names", "gemms", "attn_materialized", "head_dim")
+                if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "vocab_size")
             },
         )
     return out
@@ -412,7 +453,8 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
     numeric = {
         f.name: getattr(total, f.name) / n
         for f in fields(total)
-        if f.name not in ("names", "gemms", "attn_materialized", "head_dim") and not f.name.endswith("_count")
+        if f.name not in ("names", "gemms", "attn_materialized", "head_dim", "vocab_size")
+        and not f.name.endswith("_count")
     }
     pooled: dict[tuple, int] = {}
     for g in total.gemms:

@@ -73,7 +73,7 @@ from mlm.planner.cost.collectives import (
     ring_link,
 )
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, summarize
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, summarize
 from mlm.planner.cost.memory import (
     MemoryBreakdown,
     activation_bytes,
@@ -531,6 +531,7 @@ def evaluate(
     _check(inputs, layout, assignment)
     counts = assignment.blocks_per_stage
     rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
+    inputs = for_tp(inputs, layout.tp)
     whole = inputs
     inputs = cp_share(inputs, layout.cp)
     tp_link = group_link(cluster, tp, 1)
@@ -921,6 +922,7 @@ def stage_coefficients(
     options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
+    inputs = for_tp(inputs, layout.tp)
     tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)
     seq = max(1, inputs.seq_len // layout.cp)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, vocab_shards
 from mlm.planner.cost.memory import local_params
 from mlm.planner.layout import Layout
 
@@ -119,9 +119,10 @@ def rank_collectives(
             boundary = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
-        params += inputs.tied_params / layout.tp if 0 not in stages or last not in stages else 0.0
+        vs = vocab_shards(inputs, layout.tp)
+        params += inputs.tied_params / vs if 0 not in stages or last not in stages else 0.0
         # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
-        shard = layout.tp * (layout.dp if layout.zero >= 1 else 1)
+        shard = vs * (layout.dp if layout.zero >= 1 else 1)
         _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / shard)
     if layout.dp > 1:
         grads = grad_reduce_bytes * params

@@ -196,6 +196,11 @@ def for_tp(inputs: ModelCostInputs, tp: int) -> ModelCostInputs:
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
 
 
+def vocab_shards(inputs: ModelCostInputs, tp: int) -> int:
+    """How many ranks split a vocabulary-sized weight (a tied embedding's copy): tp when it divides the vocabulary."""
+    return tp if inputs.vocab_size and inputs.vocab_size % tp == 0 else 1
+
+
 def _replicated_vocab(c: LayerCost, tp: int) -> LayerCost:
     if not c.vocab_size or c.vocab_size % tp == 0:
         return c

@@ -73,7 +73,7 @@ from mlm.planner.cost.collectives import (
     ring_link,
 )
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, summarize
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, summarize, vocab_shards
 from mlm.planner.cost.memory import (
     MemoryBreakdown,
     activation_bytes,
@@ -549,7 +549,7 @@ def evaluate(
     a_post = activation_bytes(inputs.post, "none", tp, sp, mb, g)
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
     p_post, e_post = rank_params(inputs.post, tp, layout.ep)
-    p_post += inputs.tied_params / tp if pp > 1 else 0.0
+    p_post += inputs.tied_params / vocab_shards(inputs, tp) if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
     buffer, working = _rank_wide_bytes(inputs, layout, g)
     buffers = pipeline_buffer_bytes(inputs, layout, options)
@@ -738,7 +738,9 @@ def _dp_time(
             exposed = max(exposed, t)
     if pp > 1 and inputs.tied_params:
         exposed += all_reduce_s(
-            options.grad_reduce_bytes * inputs.tied_params / (layout.tp * (dp if layout.zero >= 1 else 1)),
+            options.grad_reduce_bytes
+            * inputs.tied_params
+            / (vocab_shards(inputs, layout.tp) * (dp if layout.zero >= 1 else 1)),
             2,
             p2p_link(cluster, layout.tp * layout.cp * dp),
         )
@@ -980,7 +982,9 @@ def stage_coefficients(
         p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
         block_static_bytes=mean("block_statics_bytes", kind_static),
         pre_static_bytes=edge_static(inputs.pre),
-        post_static_bytes=edge_static(inputs.post, inputs.tied_params / tp if layout.pp > 1 else 0.0),
+        post_static_bytes=edge_static(
+            inputs.post, inputs.tied_params / vocab_shards(inputs, tp) if layout.pp > 1 else 0.0
+        ),
         block_act_bytes=mean("block_acts_bytes", kind_act),
         block_act_recompute_bytes=mean("block_acts_recompute_bytes", kind_act_rc),
         pre_act_bytes=activation_bytes(inputs.pre, "none", tp, layout.sequence_parallel, layout.micro_batch, g),

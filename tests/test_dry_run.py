@@ -34,6 +34,9 @@ def _plan(tmp: Path, name: str, *pins: str, shape: tuple[str, ...] = ()) -> Path
     return out
 
 
+TP2SP = ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0")
+
+
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("dry")
@@ -42,29 +45,14 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "pp2dp2": _plan(tmp, "pp2dp2", "--gpus", "4", "--pp", "2", "--dp", "2", "--tp", "1", "--vpp", "1"),
         "zero3": _plan(tmp, "zero3", "--gpus", "4", "--dp", "4", "--zero", "3"),
         # manual attention: on CPU real tensors run SDPA's math kernel, fake ones the flash kernel a GPU runs
-        "tp2sp": _plan(
-            tmp,
-            "tp2sp",
-            "--gpus",
-            "2",
-            "--tp",
-            "2",
-            "--pp",
-            "1",
-            "--sequence-parallel",
-            "--zero",
-            "0",
-            "--model-arg",
-            "attention=manual",
-        ),
+        "tp2sp": _plan(tmp, "tp2sp", *TP2SP, "--model-arg", "attention=manual"),
     }
 
 
 @pytest.mark.parametrize("which", ["single", "tp2sp"])
 def test_fake_execution_allocates_what_real_tensors_allocate(plans: dict[str, Path], which: str) -> None:
-    """The same step on real and on fake tensors: equal peaks per category (fake tensors carry real sizes). tp2sp:
-    DTensor's sharding propagation runs every op once more on global-shape tensors of a fake mode, its own in a
-    real run and the dry run's under fake tensors, where they must not be counted."""
+    """The same step on real and on fake tensors: equal peaks per category (fake tensors carry real sizes), also
+    with DTensor tensor parallelism and SP (tp2sp)."""
     code = (
         "import json, sys\n"
         "from mlm.planner.plan import load_plan\n"
@@ -187,7 +175,7 @@ _EXACT = {
     # ZeRO-1 and ZeRO-3 (FSDP2), with full recompute (docs/semantics.md)
     "tp2pp2": ("--gpus", "4", "--tp", "2", "--pp", "2", "--vpp", "1", "--no-sequence-parallel", "--zero", "0"),
     "tp2z1": ("--gpus", "4", "--tp", "2", "--dp", "2", "--no-sequence-parallel", "--zero", "1"),
-    "tp2sp": ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0"),
+    "tp2sp": TP2SP,
     "tp2pp2sp": ("--gpus", "4", "--tp", "2", "--pp", "2", "--vpp", "1", "--sequence-parallel", "--zero", "0"),
     "tp2z3sp-full": (
         "--gpus",
@@ -204,19 +192,7 @@ _EXACT = {
     ),
     "z3-full": ("--gpus", "4", "--dp", "4", "--zero", "3", "--recompute", "full"),
     # a vocabulary tp does not divide (GPT-2's 50257 at tp 2): replicated embedding and head, the head's input gathered
-    "tp2sp-odd-vocab": (
-        "--gpus",
-        "2",
-        "--tp",
-        "2",
-        "--pp",
-        "1",
-        "--sequence-parallel",
-        "--zero",
-        "0",
-        "--model-arg",
-        "vocab_size=1025",
-    ),
+    "tp2sp-odd-vocab": (*TP2SP, "--model-arg", "vocab_size=1025"),
 }
 
 

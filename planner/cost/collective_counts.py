@@ -47,6 +47,19 @@ class CollectiveCount:
         return CollectiveCount(self.count + other.count, self.bytes + other.bytes)
 
 
+def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
+    """What one tp rank sends across a pipeline boundary per micro-batch: its sequence shard under sequence
+    parallelism, else the whole (replicated) activation (also the size of each pipeline receive buffer)."""
+    return layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+
+
+def sp_norm_reductions(layout: Layout, zero3_reduce_every_microbatch: bool) -> int:
+    """How often per step each SP norm gradient is all-reduced over tp: with the gradients' reduction, so every
+    micro-batch under ZeRO-3 without pipelining (when it reduces every micro-batch), else once."""
+    every = layout.dp > 1 and layout.zero == 3 and layout.pp == 1 and zero3_reduce_every_microbatch
+    return layout.num_microbatches if every else 1
+
+
 def _add(out: dict[str, CollectiveCount], op: str, count: int, nbytes: float) -> None:
     if count > 0:
         out[op] = out.get(op, CollectiveCount(0, 0.0)) + CollectiveCount(count, nbytes)
@@ -56,20 +69,20 @@ def _tp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: in
     if layout.tp == 1:
         return
     f, mb = layer.tp_fwd_count, layout.micro_batch
+    per_call = layer.tp_fwd_bytes / f if f else 0.0
     # a fully recomputed forward repeats every reduction but the last (torch's non-reentrant checkpoint stops once
     # the backward has what it needs) and, under SP, every gather (planner/cost/tp_collectives.py)
-    again = max(f - 1, 0) if recompute == "full" else 0
-    again_bytes = layer.tp_fwd_bytes * again / f if f else 0.0
-    count = m * (f + again + layer.tp_bwd_count)
-    nbytes = m * mb * (layer.tp_fwd_bytes + again_bytes + layer.tp_bwd_bytes)
+    full = recompute == "full"
+    reductions = f + (max(f - 1, 0) if full else 0) + layer.tp_bwd_count
+    reduced = layer.tp_fwd_bytes + (max(f - 1, 0) * per_call if full else 0.0) + layer.tp_bwd_bytes
     if layout.sequence_parallel:
-        gathers = f if recompute == "full" else 0  # every gather of the recomputed forward, not f - 1
-        extra = layer.tp_fwd_bytes if recompute == "full" else 0.0
-        _add(out, "all_gather", count + m * (gathers - again), nbytes + m * mb * (extra - again_bytes))
-        _add(out, "reduce_scatter", count, nbytes)
+        gathers = f + (f if full else 0) + layer.tp_bwd_count
+        gathered = layer.tp_fwd_bytes * (2 if full else 1) + layer.tp_bwd_bytes
+        _add(out, "all_gather", m * gathers, m * mb * gathered)
+        _add(out, "reduce_scatter", m * reductions, m * mb * reduced)
         _add(out, "all_gather", m * (layer.sp_gather_bytes > 0), m * mb * layer.sp_gather_bytes)
     else:
-        _add(out, "all_reduce", count, nbytes)
+        _add(out, "all_reduce", m * reductions, m * mb * reduced)
     _add(out, "all_reduce", m * layer.tp_fixed_count, m * mb * layer.tp_fixed_bytes)
 
 
@@ -115,8 +128,7 @@ def rank_collectives(
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
         unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
         if pp > 1:
-            # each tp rank sends its sequence shard under sequence parallelism, else the whole activation
-            boundary = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+            boundary = pipeline_boundary_bytes(inputs, layout)
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
         vs = vocab_shards(inputs, layout.tp)
@@ -141,7 +153,7 @@ def rank_collectives(
     # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
     # the bf16 unsharded gradient (before FSDP's reduce-scatter casts it), else once per step
     zero3 = layout.dp > 1 and layout.zero == 3 and pp == 1
-    sp_times = m if zero3 and zero3_reduce_every_microbatch else 1
+    sp_times = sp_norm_reductions(layout, zero3_reduce_every_microbatch)
     sp_bytes = PARAM_WIRE_BYTES if zero3 else grad_reduce_bytes
     _add(out, "all_reduce", sp_times * sp_tensors, sp_times * sp_bytes * sp_elems)
     if layout.tp * layout.pp * layout.dp * layout.cp > 1:

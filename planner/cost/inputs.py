@@ -79,7 +79,7 @@ class LayerCost:
     # into sequence shards (the input of the first block, on the first stage)
     sp_gather_bytes: float = 0.0
     # parameter tensors that SP makes replicated DTensors (norms on the residual stream): the gradient of each is a
-    # partial sum over the sequence shards, all-reduced over tp once per step
+    # partial sum over the sequence shards, all-reduced over tp with the gradients (collective_counts)
     sp_param_count: int = 0
     sp_param_elems: float = 0.0
     # the vocabulary of a layer priced as vocabulary-parallel (embedding, head, loss); a tp that does not divide it
@@ -361,23 +361,34 @@ def _block_splits(layer: LayerIR) -> tuple[list[Split], list[float]]:
     residual = BF16_BYTES * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
     if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(layer.linears):
         return ["col" if i % 2 == 0 else "row" for i in range(len(layer.linears))], [residual] * 2
-    tags: dict[str, str] = {}
+    tags = _region_tags(layer)
     splits, inputs, seen = [], [], set()
     for n, d in g.nodes(data=True):
-        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
-        if d.get("kind") == "linear":
-            tags[n] = "R" if inside else "S"
-            splits.append("row" if inside else "col")
-            if not inside:
-                preds = tuple(sorted(g.predecessors(n)))
-                if preds not in seen:
-                    seen.add(preds)
-                    inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
-        elif d.get("kind") == "embedding":
-            tags[n] = "R"
-        else:
-            tags[n] = "S" if inside else "R"
+        if d.get("kind") != "linear":
+            continue
+        inside = tags[n] == "R"  # a linear reading a region's tensor is row-parallel and leaves the region
+        splits.append("row" if inside else "col")
+        if not inside:
+            preds = tuple(sorted(g.predecessors(n)))
+            if preds not in seen:
+                seen.add(preds)
+                inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
     return splits, inputs
+
+
+def _region_tags(layer: LayerIR) -> dict[str, str]:
+    """Megatron's rule read off the layer's op graph, per node in graph order: "S" inside a tensor-parallel region
+    (a column-parallel linear's output and what is computed from it), "R" on the residual stream (a row-parallel
+    linear's output, an embedding, everything computed outside a region)."""
+    g = layer.ops
+    tags: dict[str, str] = {}
+    if g is None:
+        return tags
+    for n, d in g.nodes(data=True):
+        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
+        k = d.get("kind")
+        tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
+    return tags
 
 
 def _sequence_parallel_params(layer: LayerIR) -> tuple[int, float]:
@@ -386,12 +397,10 @@ def _sequence_parallel_params(layer: LayerIR) -> tuple[int, float]:
     g = layer.ops
     if g is None or layer.kind not in ("block", "norm"):
         return 0, 0.0
-    tags: dict[str, str] = {}
+    tags = _region_tags(layer)
     found: dict[str, int] = {}
     for n, d in g.nodes(data=True):
-        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
         k = d.get("kind")
-        tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
         if layer.kind == "norm" or (tags[n] == "R" and k not in ("linear", "embedding")):
             found.update(d.get("params", ()))
     return len(found), float(sum(found.values()))
@@ -406,13 +415,11 @@ def _memory_split(layer: LayerIR, seq: int, kind: str) -> tuple[float, float]:
     if g is None or kind != "block":
         total = layer.activations.total
         return (layer.activations.sharded / total if total else 0.0), 0.0
-    tags: dict[str, str] = {}
+    tags = _region_tags(layer)
     moved = {"S": 0.0, "R": 0.0}
     core = 0.0
     for n, d in g.nodes(data=True):
-        inside = any(tags.get(p) == "S" for p in g.predecessors(n))
         k = d.get("kind")
-        tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
         if k in ("linear", "matmul", "embedding"):
             continue
         moved[tags[n]] += d.get("bytes", 0.0)

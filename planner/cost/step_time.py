@@ -61,6 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from mlm.planner.cost.collective_counts import GRAD_NORM_BYTES, pipeline_boundary_bytes, sp_norm_reductions
 from mlm.planner.cost.collectives import (
     Link,
     all_gather_s,
@@ -387,7 +388,7 @@ def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, 
     (Megatron's scatter-gather optimisation, 1/tp over the wire and an all-gather over tp, is not what runs.)"""
     if layout.pp == 1:
         return 0.0
-    nbytes = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+    nbytes = pipeline_boundary_bytes(inputs, layout)
     return 2.0 * p2p_s(nbytes, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
 
 
@@ -494,9 +495,8 @@ def pipeline_buffer_bytes(
     stages = layout.pp * layout.vpp
     if layout.pp == 1 or not options.pipeline_buffers_every_microbatch:
         return (0.0,) * stages
-    boundary = layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
-    m = layout.num_microbatches
-    return tuple(m * boundary * ((i > 0) + (i < stages - 1)) for i in range(stages))
+    each = layout.num_microbatches * pipeline_boundary_bytes(inputs, layout)
+    return tuple(each * ((i > 0) + (i < stages - 1)) for i in range(stages))
 
 
 def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment) -> None:
@@ -748,14 +748,12 @@ def _dp_time(
         blocks = math.ceil(inputs.num_blocks / pp)
         edge = max(inputs.pre, inputs.post, key=lambda c: c.sp_param_elems)
         count = blocks * inputs.block.sp_param_count + edge.sp_param_count
-        # with the gradients' reduction: every micro-batch under ZeRO-3 (CostOptions), else once
-        every = dp > 1 and layout.zero == 3 and pp == 1 and options.zero3_reduce_every_microbatch
-        times = layout.num_microbatches if every else 1
+        times = sp_norm_reductions(layout, options.zero3_reduce_every_microbatch)
         if count:
             nbytes = options.grad_reduce_bytes * (blocks * inputs.block.sp_param_elems + edge.sp_param_elems)
             exposed += times * all_reduce_s(nbytes, layout.tp, group_link(cluster, layout.tp, 1), count)
     if layout.world_size > 1:  # runtime/optim.py grad_norm: one fp32 scalar over every rank
-        exposed += all_reduce_s(4.0, layout.world_size, group_link(cluster, layout.world_size, 1))
+        exposed += all_reduce_s(GRAD_NORM_BYTES, layout.world_size, group_link(cluster, layout.world_size, 1))
     return exposed
 
 

@@ -76,7 +76,7 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 1 because "
-        "mlm-run does not run ep yet; 0 = search it",
+        "mlm-run runs ep > 1 only with tp 1 (pin --ep N --tp 1); 0 = search it",
     )
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP solver (default cbc)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per MILP, seconds")

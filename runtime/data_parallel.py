@@ -60,7 +60,9 @@ def choose_data_parallel(
     if layout.dp == 1:
         return DataParallelChoice("fsdp" if mixed else "none", False)
     if layout.zero == 0:
-        ddp = not mixed and layout.tp == 1 and schedule not in ZERO_BUBBLE_SCHEDULES
+        # ep > 1: the expert banks are replicated over their own group (the dp ranks holding the same experts),
+        # which DDP (one process group per wrapper) cannot nest
+        ddp = not mixed and layout.tp == 1 and layout.ep == 1 and schedule not in ZERO_BUBBLE_SCHEDULES
         return DataParallelChoice("ddp" if ddp else "replicate", False)
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 
@@ -80,9 +82,12 @@ def apply_data_parallel(
     choice: DataParallelChoice,
     dp_mesh: DeviceMesh,
     compute_dtype: torch.dtype = torch.float32,
+    expert_banks: tuple[list[nn.Module], DeviceMesh] | None = None,
 ) -> nn.Module:
     """Wrap one stage; returns the module to run (the DDP wrapper, or the stage itself made an FSDPModule). FSDP2
-    and replicate() work on meta parameters (materialised afterwards); DDP needs them materialised first."""
+    and replicate() work on meta parameters (materialised afterwards); DDP needs them materialised first.
+    `expert_banks`: the ep-sharded expert banks and the mesh of the ranks holding the same experts; each bank is
+    its own group over that mesh, so the enclosing layer's group (over dp) leaves its parameters alone."""
     if choice.wrapper == "none":
         return stage
     if choice.wrapper == "ddp":
@@ -97,6 +102,9 @@ def apply_data_parallel(
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         wrap = replicate
+    if expert_banks is not None:
+        for bank in expert_banks[0]:
+            wrap(bank, mesh=expert_banks[1], mp_policy=mp)
     shared = _params_shared_between(layer_modules)
     for module in layer_modules:  # one group per layer: its reduction starts as its backward ends
         params = list(module.parameters())

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mlm.planner.capture.loader import ModelSpec, instantiate, load_model_spec
+from mlm.planner.capture.loader import ModelSpec, for_training, instantiate, load_model_spec
 from mlm.planner.capture.training_step import TrainingModule, first_embedding_vocab
 from mlm.planner.errors import ModelLoadError, PlanFileError
 from mlm.planner.plan import Plan
@@ -70,7 +70,7 @@ def plan_layers(plan: Plan) -> list[str]:
 def build_model(spec: ModelSpec, seed: int, device: str | torch.device = "cpu") -> nn.Module:
     """The whole model with the initial weights every layout gets for this seed (the single-process reference):
     built on meta and materialised whole (see the section on building on meta below)."""
-    mm = build_meta_model(spec, seed)
+    mm = build_meta_model(spec, seed, cpu=torch.device(device).type == "cpu")
     materialize(mm.model, mm, torch.device(device), lambda name: name)
     return mm.model
 
@@ -94,7 +94,7 @@ def model_vocab(model: nn.Module, plan: Plan) -> int:
 
 def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[str, LayerCall]:
     """Run the training step once on meta tensors and record each plan layer's first call (see module doc)."""
-    model = instantiate(spec, "meta")
+    model = for_training(instantiate(spec, "meta"), cpu=True, experts="batched_mm")
     layers = plan_layers(plan)
     check_layers_cover_model(model, layers)
     calls: dict[str, LayerCall] = {}
@@ -127,8 +127,10 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         # tensors as they do when tracing (transformers' masking_utils.is_tracing), where on plain meta tensors
         # the branch's .item() fails.
         from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # a ShapeEnv lets data-dependent sizes (torch.where in a hand-written MoE's dispatch) be symbols
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
             TrainingModule(model, spec.loss_fn)(inputs, targets)
     except Exception as e:  # user model code on meta tensors
         raise ModelLoadError(
@@ -432,14 +434,16 @@ def _fake_mode_active() -> bool:
     return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 
-def build_meta_model(spec: ModelSpec, seed: int) -> MetaModel:
-    """Instantiate with parameters on meta, recording their initialisation (see the section doc). Under a
-    FakeTensorMode (the dry run) nothing is recorded: values do not matter there."""
+def build_meta_model(spec: ModelSpec, seed: int, cpu: bool = True) -> MetaModel:
+    """Instantiate with parameters on meta, recording their initialisation (see the section doc), set up for
+    training (for_training; `cpu`: the compute runs on the CPU). Under a FakeTensorMode (the dry run) nothing is
+    recorded: values do not matter there."""
     recipes: dict[int, ParamRecipe] = {}
     recorder = None if _fake_mode_active() else _InitRecorder()
     torch.manual_seed(seed)
     with _parameters_on_meta(recorder, recipes):
         model = instantiate(spec, "cpu")
+    for_training(model, cpu)
     canonical = canonical_names(model)
     by_name: dict[str, ParamRecipe] = {}
     real: dict[str, torch.Tensor] = {}
@@ -478,11 +482,19 @@ def build_meta_model(spec: ModelSpec, seed: int) -> MetaModel:
     return mm
 
 
-def materialize(module: nn.Module, mm: MetaModel, device: torch.device, rename: Callable[[str], str]) -> None:
+def materialize(
+    module: nn.Module,
+    mm: MetaModel,
+    device: torch.device,
+    rename: Callable[[str], str],
+    row_shards: dict[str, tuple[int, int]] | None = None,
+) -> None:
     """Allocate `module`'s meta parameters on `device` and fill each with its initial value, keeping only this
     rank's shard of DTensor parameters (TP / FSDP2 placements, sliced locally without communication). Each
     parameter object is kept (its contents swapped, as to_empty does), so ties and FSDP2's references hold; buffers
-    keep their values and move to `device`. `rename` maps the module's parameter names to the model's FQNs."""
+    keep their values and move to `device`. `rename` maps the module's parameter names to the model's FQNs;
+    `row_shards` (model FQN -> (rank, size)) names parameters this rank holds chunk `rank` of dimension 0 of
+    (expert banks under ep, expert_parallel.py), taken before any DTensor placement applies."""
     fake = _fake_mode_active()
     with torch.no_grad():
         for sub in module.modules():
@@ -497,6 +509,9 @@ def materialize(module: nn.Module, mm: MetaModel, device: torch.device, rename: 
             if fake:
                 continue
             full = mm.full_value(rename(name))
+            if row_shards and rename(name) in row_shards:
+                rank, size = row_shards[rename(name)]
+                full = full.chunk(size, dim=0)[rank]
             if isinstance(p, DTensor):
                 p.to_local().copy_(local_shard(full, p.device_mesh, p.placements))
             else:

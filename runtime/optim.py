@@ -67,7 +67,12 @@ def sync_tied_grads(copies: list[TiedCopy]) -> None:
         dist.all_reduce(local, group=copy.group)
 
 
-def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, exclude: set[int]) -> torch.Tensor:
+def grad_norm(
+    params: list[nn.Parameter],
+    pp_group: dist.ProcessGroup | None,
+    exclude: set[int],
+    distinct: dict[int, int] | None = None,
+) -> torch.Tensor:
     """The global L2 norm of all gradients of the model, whichever rank holds them, with one all-reduce of one
     scalar per step.
 
@@ -77,7 +82,9 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, ex
     gradient values in fp32, divides each tensor's sum by how many ranks of its pipeline stage hold the same values
     (the stage's ranks over the tensor's distinct shards: every rank of a stage holds some shard of each of the
     stage's parameters), and one all-reduce over every rank adds them up. `pp_group` only says whether there is a
-    pipeline (the sum runs over the whole world either way); `exclude` holds ids of non-primary tied copies."""
+    pipeline (the sum runs over the whole world either way); `exclude` holds ids of non-primary tied copies;
+    `distinct` maps ids of parameters whose local values differ over more ranks than their placements say (ep:
+    each rank of an ep group holds other experts under the same name) to that factor."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     pp = dist.get_world_size(pp_group) if pp_group is not None else 1
     stage_ranks = world // pp
@@ -94,6 +101,8 @@ def grad_norm(params: list[nn.Parameter], pp_group: dist.ProcessGroup | None, ex
             shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
             copies = stage_ranks // shards
             g = g.to_local()
+        if distinct and id(p) in distinct:
+            copies = max(1, copies // distinct[id(p)])
         sq = torch.linalg.vector_norm(g.detach(), 2, dtype=torch.float32).square() / copies
         total_sq = sq if total_sq is None else total_sq + sq.to(total_sq.device)
     if total_sq is None:

@@ -27,6 +27,7 @@ from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.data import DropoutSeeds, TokenSource
 from mlm.runtime.data_parallel import apply_data_parallel, choose_data_parallel
+from mlm.runtime.expert_parallel import ExpertParallel, expert_params, find_banks, gather_over_ep, shard_experts
 from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (
@@ -112,6 +113,8 @@ class Runtime:
     stopped_by: str | None = None  # the signal that ended the run early
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (--skip-nonfinite)
+    experts: ExpertParallel | None = None  # ep > 1: this rank's expert banks and ep group (expert_parallel.py)
+    expert_params: list[nn.Parameter] = field(default_factory=list)
 
 
 def check_plan_runnable(plan: Plan) -> None:
@@ -183,7 +186,7 @@ def _build_runtime(
     """Meta model -> stages -> TP -> recompute -> FSDP2 (all on meta) -> materialise this rank's shards -> DDP,
     optimizer, schedule (torchtitan's order; model_build.py says how the weights stay layout-independent)."""
     lay = plan.layout
-    meta = build_meta_model(spec, opts.seed)
+    meta = build_meta_model(spec, opts.seed, cpu=device.type == "cpu")
     model = meta.model
     check_tp_map(plan.tensor_parallel, model)
     canonical = meta.canonical
@@ -195,6 +198,13 @@ def _build_runtime(
     mine = [i for i, r in enumerate(stage_ranks(plan)) if r == info.pp_rank]
     stages: list[StageModule] = []
     vocab_head = False
+    experts = None
+    if lay.ep > 1:
+        if opts.save is not None or opts.resume is not None:
+            raise Infeasible("--save / --resume with ep > 1: checkpoints of expert-parallel banks are not written yet")
+        experts = ExpertParallel(info.ep_rank, info.ep_size, info.ep_group)
+        owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
+        shard_experts(model, find_banks(model, owned), experts)
     for i in mine:
         stage = build_stage(model, loss_fn, plan, i, calls, device)
         if stage.is_last:
@@ -215,11 +225,16 @@ def _build_runtime(
         stages.append(stage)
     choice = choose_data_parallel(lay, schedule_name(plan), dtype)
     runners: list[nn.Module] = []
+    row_shards = experts.shard_names() if experts is not None else None
     for st in stages:
         layers = [st.inner.model.get_submodule(f) for f in st.layers]
+        banks = None
+        if experts is not None:
+            inside = [g for g in experts.groups if any(g.startswith(f + ".") for f in st.layers)]
+            banks = ([st.inner.model.get_submodule(f) for f in inside], info.expert_dp_mesh)
         if choice.wrapper != "ddp":
-            runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
-        materialize(st, meta, device, original_fqn)
+            runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype, banks))
+        materialize(st, meta, device, original_fqn, row_shards)
         if choice.wrapper == "ddp":  # DDP broadcasts real parameters when built
             runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
     tied = _tied_copies(ties, plan, info, stages)
@@ -229,7 +244,8 @@ def _build_runtime(
         dropout.attach(st, [(f, st.inner.model.get_submodule(f)) for f in st.layers])
     params = _unique_params(stages)
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
-    schedule = _build_schedule(plan, stages, runners, info, device, (tokens, dropout))
+    paused = (tokens, dropout) if experts is None else (tokens, dropout, experts)
+    schedule = _build_schedule(plan, stages, runners, info, device, paused)
     source = TokenSource(
         vocab=plan.model.vocab_size,
         seq_len=plan.training.seq_len,
@@ -256,6 +272,8 @@ def _build_runtime(
         tokens,
         dropout,
     )
+    rt.experts = experts
+    rt.expert_params = expert_params([st.inner.model for st in stages], experts)
     if opts.resume is not None:
         _resume(rt, opts.resume)
     return rt
@@ -388,11 +406,12 @@ def _build_schedule(
 
 def _pause_during_shape_inference(stage: Any, counters: tuple[Any, ...]) -> None:
     """The first step's extra forward that infers a stage's input/output shapes (torch 2.13, on empty tensors)
-    must not count loss tokens nor advance the dropout micro-batch index. Under DDP it also runs in no_sync:
-    torch calls the DDP module directly there (not via forward_maybe_with_nosync), so DDP's forward would arm
-    its reducer for a backward that never comes; the next micro-batch's backward then reduced early and the
-    last one again, recording every parameter twice (the step-2 assert "rebuilt parameter indices size is not
-    same as original model parameters size (26 vs 52)")."""
+    must not count loss tokens, advance the dropout micro-batch index, nor exchange tokens between expert-parallel
+    ranks (whose routing of uninitialised values would be garbage, at other times on each rank). Under DDP it also
+    runs in no_sync: torch calls the DDP module directly there (not via forward_maybe_with_nosync), so DDP's
+    forward would arm its reducer for a backward that never comes; the next micro-batch's backward then reduced
+    early and the last one again, recording every parameter twice (the step-2 assert "rebuilt parameter indices
+    size is not same as original model parameters size (26 vs 52)")."""
     infer = getattr(stage, "_forward_metadata_inference", None)
     if infer is None:
         return
@@ -481,8 +500,12 @@ def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) 
         if inject is not None and inject.step == step + 1 and inject.rank == dist.get_rank():
             loss_sum = _inject(rt, inject, loss_sum)
         sync_tied_grads(rt.tied)
+        for p in rt.expert_params:  # the dp wrapper averaged over the dp/ep holders only (expert_parallel.py)
+            if p.grad is not None:
+                p.grad.div_(lay.ep)
         exclude = {id(c.param) for c in rt.tied if not c.primary}
-        raw_norm = float(grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude))
+        distinct = {id(p): lay.ep for p in rt.expert_params}
+        raw_norm = float(grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude, distinct))
         loss, tokens, stop, nonfinite = _reduce_step(rt, loss_sum, rt.tokens.take(), raw_norm)
         scale = lay.dp / tokens  # loss sums -> global token mean; the dp wrappers average over replicas
         norm = raw_norm * scale
@@ -639,8 +662,11 @@ def _record(
 def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:
     """This rank's parameters gathered to full tensors on CPU, by original FQN (collective over dp and tp)."""
     out: dict[str, torch.Tensor] = {}
+    rows = rt.experts.shard_names() if rt.experts is not None else {}
     for st in rt.stages:
         for name, p in st.named_parameters(remove_duplicate=False):
             value = gather_full(p)  # not p.full_tensor(): torch 2.13 gathers strided (per-head) shards wrongly
+            if original_fqn(name) in rows and rt.experts is not None:
+                value = gather_over_ep(value, rt.experts)
             out[original_fqn(name)] = value.detach().cpu().clone()
     return out

@@ -119,10 +119,13 @@ def test_unet_convolutions_are_priced_and_it_plans_data_parallel() -> None:
 
 
 def _fp32_plan(family: str, tp: int, pp: int):
-    """The planner's own plan for `family` (pinned to tp x pp, one row per micro-batch), run in fp32."""
+    """The planner's own plan for `family` (pinned to tp x pp, one row per micro-batch), run in fp32. A family
+    named "<family>+cache" keeps transformers' default use_cache=True."""
     import dataclasses
 
-    spec = load_model_spec(str(MODELS / "zoo_families.py"), "build", {"family": family})
+    name, _, cache = family.partition("+")
+    args = {"family": name, **({"default_cache": True} if cache else {})}
+    spec = load_model_spec(str(MODELS / "zoo_families.py"), "build", args)
     ir = capture(spec, seq_len=16)
     pins = dict(tp=tp, pp=pp, dp=1, micro_batch=1, vpp=1, recompute="none", sequence_parallel=False, zero=0)
     plan = make_plan(spec, ir, PlanRequest(num_gpus=tp * pp, global_batch=4, **pins)).plan
@@ -138,7 +141,9 @@ def _losses(_rank: int, runs: list) -> list[list[float]]:
 def test_zoo_subset_trains_what_one_process_trains() -> None:
     """mlm-run on plans mlm-plan wrote: Qwen3 (per-head q/k norms, GQA) and Falcon (grouped kv) at tp2, GPT-NeoX
     (fused QKV, partial rotary) and Phi-3 (fused qkv_proj and gate_up_proj) at pp2 — the rotary table each HF
-    decoder computes once in its root runs on both stages — against one process, 3 steps, SGD and AdamW."""
+    decoder computes once in its root runs on both stages — and Qwen2 with transformers' default use_cache=True at
+    tp2 (its KV-cache update crashed on tensor-parallel tensors before the runtime turned the cache off for
+    training) against one process, 3 steps, SGD and AdamW."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -146,6 +151,7 @@ def test_zoo_subset_trains_what_one_process_trains() -> None:
     sgd = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
     adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
     cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 1, 2, adamw)]
+    cases.append(("qwen2+cache", 2, 1, sgd))
     reference = run_workers(1, _losses, [(_fp32_plan(f, 1, 1), o) for f, _, _, o in cases])[0]
     split = run_workers(2, _losses, [(_fp32_plan(f, tp, pp), o) for f, tp, pp, o in cases])[0]
     for (family, *_), want, got in zip(cases, reference, split, strict=True):

@@ -62,6 +62,7 @@ class GraphFacts:
     vocab_out: int | None  # output width of the linear feeding the cross-entropy loss
     unused_params: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no captured op reads
     short_table: tuple[int, int, str] | None = None  # (rows, positions read, module) of a too-short position table
+    data_dependent: tuple[str, ...] = ()  # modules whose ops have sizes that depend on tensor values (see trace.py)
 
 
 def graph_facts(

@@ -197,6 +197,23 @@ def instantiate(spec: ModelSpec, device: str | torch.device = "meta") -> nn.Modu
     return model
 
 
+def for_training(model: nn.Module, cpu: bool, experts: str = "eager") -> nn.Module:
+    """Hugging Face models as their own Trainer runs them: no KV cache in training (transformers' cache update
+    fails on tensor-parallel DTensors and keeps memory the plan does not price), and on the CPU the expert
+    implementation `experts` instead of the default grouped_mm (torch's CPU grouped_mm takes bf16 only; the eager
+    loop for real tensors, batched_mm for fake ones, whose shapes do not depend on the routing). Other models are
+    untouched."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            continue
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+        if cpu and getattr(config, "_experts_implementation", None) == "grouped_mm":
+            config._experts_implementation = experts
+    return model
+
+
 def _signature_hint(obj: Any) -> str:
     try:
         return f" (signature: {spec_sig})" if (spec_sig := str(inspect.signature(obj))) else ""

@@ -107,7 +107,7 @@ def _experts(
                 continue
             params = [f"{path}.{n}" for n, _ in child.named_parameters()]
             per = sum(p.numel() for p in first.parameters())
-            return len(members), [path], params, per, weights, f"{path}: an {type(child).__name__} of experts"
+            return len(members), [path], params, per, weights, f"{path}: a {type(child).__name__} of experts"
     fused = [(fqn, module, False)] + [(_join(fqn, n), c, True) for n, c in module.named_children()]
     for path, holder, recurse in fused:
         ps = list(holder.named_parameters(recurse=recurse))

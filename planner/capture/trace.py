@@ -35,7 +35,7 @@ from mlm.planner.capture.blocks import BlockGroup
 from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
 from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp, ModelIR, MoEIR
-from mlm.planner.capture.loader import ModelSpec, instantiate
+from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch
@@ -99,6 +99,12 @@ def capture(
             )
             seq = short[0]
     layers, how, found, notes, kinds = captured
+    if found.data_dependent:
+        shown = ", ".join(found.data_dependent[:3]) + (" …" if len(found.data_dependent) > 3 else "")
+        notes.append(
+            f"data-dependent sizes (torch.where / nonzero) in {shown}: priced at their upper bound, divided over "
+            f"the experts inside an MoE layer (balanced routing)"
+        )
     if found.short_table is not None:
         rows, read, where = found.short_table
         notes.append(
@@ -359,7 +365,8 @@ def build_meta(spec: ModelSpec) -> nn.Module:
                 model = instantiate(spec, "cpu")
         except ModelLoadError:
             raise meta_error from None
-    return model.to(torch.bfloat16)  # count activations at the training precision (bf16 mixed precision)
+    # training as the runtime runs it (no KV cache), activations at the training precision (bf16 mixed precision)
+    return for_training(model, cpu=False).to(torch.bfloat16)
 
 
 def count_params(model: nn.Module) -> int:
@@ -477,8 +484,41 @@ def _capture_graph(
         **getattr(sig, "inputs_to_lifted_tensor_constants", {}),
     }
     params = {n: names[n.name] for n in graph.nodes if n.op == "placeholder" and n.name in names}
+    where = concrete_data_dependent_sizes(graph, moe)
     layers, found = build_layers(graph, params, model, groups, seq, moe)
-    return layers, "torch.export (non-strict)", found
+    return layers, "torch.export (non-strict)", replace(found, data_dependent=where)
+
+
+def concrete_data_dependent_sizes(graph: torch.fx.Graph, moe: dict[str, MoESite]) -> tuple[str, ...]:
+    """Sizes that depend on tensor values (torch.where / nonzero / masked_select: a hand-written MoE's per-expert
+    token selection) are symbols in the exported graph that costs cannot count. Each node's value is replaced by a
+    meta tensor of a concrete size: inside a recognised MoE layer the symbol's upper bound (all tokens·top_k) over
+    the layer's experts, as balanced routing gives them (the capacity-factor assumption the MoE note states),
+    elsewhere the upper bound itself. Returns the modules where this happened (a warning names them)."""
+    where: list[str] = []
+    for n in graph.nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or all(isinstance(s, int) for s in v.shape):
+            continue
+        stack = n.meta.get("nn_module_stack") or {}
+        module = _strip_root(_clean_path(str(list(stack.values())[-1][0]))) if stack else ""
+        site = next((s for f, s in moe.items() if module == f or module.startswith(f + ".")), None)
+        shape = [s if isinstance(s, int) else _bound(s, site.ir.num_experts if site else 1) for s in v.shape]
+        n.meta["val"] = torch.empty(shape, dtype=v.dtype, device="meta")
+        if module not in where:
+            where.append(module)
+    return tuple(where)
+
+
+def _bound(size: Any, share: int) -> int:
+    """A symbolic size's upper bound (its value range from export; 0 when unbounded) divided by `share`."""
+    expr = size.node.expr
+    env = size.node.shape_env
+    subs = {}
+    for sym in expr.free_symbols:
+        r = env.var_to_range.get(sym)
+        subs[sym] = int(r.upper) if r is not None and r.upper.is_finite else 0
+    return max(0, -(-int(expr.xreplace(subs)) // share))
 
 
 def _symbolic_trace(wrapper: nn.Module, batch: tuple[Any, torch.Tensor]) -> tuple[torch.fx.Graph, dict]:

@@ -52,7 +52,8 @@ Group = tuple[int, int, int, int, int, int]  # tp, pp, dp, cp, ep, zero
 @dataclass(frozen=True)
 class PlanRequest:
     """What the user asked for: GPU count, batch, and any pinned dimensions (None = search). cp and ep default
-    to 1, not to search: mlm-run does not run cp or ep > 1 yet, and a default plan must be one it runs."""
+    to 1, not to search: mlm-run does not run cp > 1 yet, and runs ep > 1 only with tp 1 (runtime/expert_parallel.py),
+    and a default plan must be one it runs."""
 
     num_gpus: int
     global_batch: int

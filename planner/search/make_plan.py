@@ -72,7 +72,7 @@ def make_plan(
         elif request.ep == 1:
             notes.append(
                 f"--ep not given: the {ir.num_experts} routed experts per MoE layer are planned without expert "
-                "parallelism (ep 1; mlm-run does not run ep > 1 yet; --ep 0 searches it)"
+                "parallelism (ep 1; mlm-run runs ep > 1 with tp 1: pin --ep N --tp 1, or --ep 0 to search it)"
             )
         if shard.skipped:
             explanations["skipped"] = skipped_summary(shard.skipped)

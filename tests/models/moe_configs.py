@@ -1,8 +1,9 @@
 """Tiny Hugging Face mixtures built from config objects (no download), with the knobs the MoE tests vary."""
 
 
-def build_qwen3_moe(layers=3, mlp_only_layers=(0,), experts=8, top_k=2):
-    """Qwen3-MoE: blocks listed in mlp_only_layers keep a dense SwiGLU, the others route to experts."""
+def build_qwen3_moe(layers=3, mlp_only_layers=(0,), experts=8, top_k=2, dropout=0.0):
+    """Qwen3-MoE: blocks listed in mlp_only_layers keep a dense SwiGLU, the others route to experts (attention
+    dropout `dropout`)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -18,6 +19,7 @@ def build_qwen3_moe(layers=3, mlp_only_layers=(0,), experts=8, top_k=2):
         num_experts=experts,
         num_experts_per_tok=top_k,
         max_position_embeddings=64,
+        attention_dropout=dropout,
         use_cache=False,
     )
     return Qwen3MoeForCausalLM(cfg)

@@ -69,12 +69,16 @@ def config_facts(family: str) -> dict[str, int]:
     return {"hidden": HIDDEN, "heads": HEADS, "kv_heads": kv, "head_dim": HIDDEN // HEADS, "vocab": VOCAB}
 
 
-def build(family: str = "llama"):
-    """A freshly initialised tiny model of `family` (a causal LM head for decoders)."""
+def build(family: str = "llama", default_cache: bool = False):
+    """A freshly initialised tiny model of `family` (a causal LM head for decoders); `default_cache` leaves the
+    config's use_cache at transformers' default (True), as a user's model file would."""
     import transformers as hf
 
     if family in DECODERS:
-        return hf.AutoModelForCausalLM.from_config(_decoder_config(family))
+        cfg = _decoder_config(family)
+        if default_cache:
+            cfg.use_cache = True
+        return hf.AutoModelForCausalLM.from_config(cfg)
     if family == "bert":
         cfg = hf.BertConfig(
             vocab_size=VOCAB,

@@ -1,0 +1,327 @@
+"""Expert parallelism in mlm-run: each MoE layer's routed experts split over the ep ranks, tokens exchanged by
+all-to-all (dispatch before the experts, combine after), as torchtitan and Megatron-Core's alltoall dispatcher do.
+
+Which experts: those capture recognises (planner/capture/moe.py). What runs is the model's own code: the router,
+the top-k and the weighting stay the model's; only the call of the fused expert bank is replaced. A bank is a
+module holding 3-D weights whose leading extent is the number of experts, called as
+`experts(tokens, top_k_index, top_k_weights)` and returning sum_k weight_k · expert_{index_k}(token) per token
+(transformers >= 5 builds every MoE this way: Mixtral, Qwen2/3-MoE, DeepSeek-V3, ...). Expert e lives on ep rank
+e // (num_experts / ep); its weights are rows [r·L, (r + 1)·L) of each bank, materialised on that rank only.
+
+One call, per micro-batch and MoE layer, on the rank's own tokens:
+1. each (token, k) pair is sorted by expert; an all-to-all of the per-expert counts tells every rank how many rows
+   it receives from each peer for each of its L experts;
+2. dispatch: one all_to_all_single (autograd) of the rows, `hidden` bytes each, tokens · top_k rows in all;
+3. the bank's own forward runs on the received rows with each row's local expert index and weight 1, so its
+   weights index [0, L) (the bank's `num_experts` attribute, where it has one, reads L during that call);
+4. combine: the reverse all_to_all_single, then each row times its routing weight, summed per token (index_add).
+The backward of 2 and 4 is the reverse exchange, so the rows' gradients go back to where the tokens came from.
+
+Gradients: the owner's expert gradient sums over the tokens of its whole ep group, and the data-parallel wrapper
+averages it over the dp/ep ranks that hold the same experts (data_parallel.py wraps each bank over that group),
+so train.py divides it by ep: every parameter then carries the gradient of the global token mean. The router and
+everything else is data-parallel as in a dense model (each rank routes its own tokens).
+
+Experts in an nn.ModuleList (a hand-written MoE whose own loop calls each expert module: Mixtral's first code,
+torch.where + index_add, or dense one-hot dispatch) keep the model's dispatch by running the MoE module's forward
+twice per call. Pass 1 swaps every expert for a slot that records the tokens the model hands it and returns zeros;
+one exchange, as above, sends each expert's recorded rows to its owner, which runs the real expert once on all
+rows it received; pass 2 runs the model's forward again with the slots returning those outputs, so routing,
+weighting and combining are the model's own. The gradient reaches the tokens through pass 1's dispatch (the
+recorded rows) and the routing weights through pass 2. Cost: the MoE module's non-expert part (router, shared
+experts) runs twice forward; only pass 2's output is used. Only this rank's experts exist here (the others are
+parameter-free until the call), each its own data-parallel group over the ranks holding the same experts.
+
+Not run here: ep with tp > 1 (expert-tensor parallelism) and the dry run of ep plans (routing reads tensor
+values, which fake tensors do not have) are refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mlm.planner.capture.moe import find_moe
+from mlm.planner.errors import Infeasible
+
+
+@dataclass(frozen=True)
+class ExpertBank:
+    """The experts of one MoE layer: a fused bank (3-D weights) or an nn.ModuleList of expert modules."""
+
+    fqn: str  # the bank module, or the expert list
+    num_experts: int
+    params: tuple[str, ...]  # fused: names inside the bank whose leading extent is num_experts
+    kind: str = "fused"  # or "list"
+    moe: str = ""  # the MoE module whose forward runs twice ("list")
+
+
+@dataclass
+class ExpertParallel:
+    """This rank's expert-parallel state: its ep coordinate and group and the banks it sharded."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+    banks: list[ExpertBank] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)  # modules holding only this rank's experts: own dp groups
+    paused: bool = False  # True during torch's pipeline shape inference (train.py): shapes only, no exchange
+
+    def shard_names(self) -> dict[str, tuple[int, int]]:
+        """Model FQN -> (ep rank, ep size) of every fused-bank parameter, of which this rank holds its rows
+        (model_build.materialize slices it; full_parameters gathers it back)."""
+        return {f"{b.fqn}.{p}": (self.rank, self.size) for b in self.banks if b.kind == "fused" for p in b.params}
+
+
+def find_banks(model: nn.Module, layers: list[str] | None = None) -> list[ExpertBank]:
+    """The fused expert banks of `model` (inside `layers` when given); refuses MoE layers ep cannot run."""
+    banks = []
+    for fqn, site in find_moe(model).items():
+        if layers is not None and not any(fqn == f or fqn.startswith(f + ".") for f in layers):
+            continue
+        if site.expert_modules and "fused" not in site.ir.how:
+            banks.append(ExpertBank(site.expert_modules[0], site.ir.num_experts, (), "list", fqn))
+            continue
+        if not site.expert_modules:
+            raise Infeasible(f"{fqn}: its expert weights lie on the MoE module itself; ep > 1 cannot split them")
+        bank_fqn = site.expert_modules[0]
+        bank = model.get_submodule(bank_fqn)
+        params = tuple(
+            n for n, p in bank.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == site.ir.num_experts
+        )
+        if len(inspect.signature(bank.forward).parameters) != 3:
+            raise Infeasible(
+                f"{bank_fqn}: ep > 1 needs the expert bank called as experts(tokens, top_k_index, top_k_weights); "
+                f"its forward takes {list(inspect.signature(bank.forward).parameters)}: plan it with --ep 1"
+            )
+        others = [n for n, _ in bank.named_parameters() if n not in params]
+        if others:
+            raise Infeasible(f"{bank_fqn}: holds {others[0]}, which is not one row per expert; ep > 1 cannot split it")
+        banks.append(ExpertBank(bank_fqn, site.ir.num_experts, params))
+    return banks
+
+
+def shard_experts(model: nn.Module, banks: list[ExpertBank], ep: ExpertParallel) -> None:
+    """On the meta model: keep this rank's L = E / ep experts of each bank (meta parameters of the local shape)
+    and route the bank's calls through the all-to-all exchange (module doc)."""
+    for bank in banks:
+        if bank.num_experts % ep.size:
+            raise Infeasible(f"{bank.fqn}: ep {ep.size} does not divide its {bank.num_experts} experts")
+        if bank.kind == "list":
+            ep.groups.extend(shard_expert_list(model, bank.moe, bank.fqn, ep))
+            ep.banks.append(bank)
+            continue
+        module = model.get_submodule(bank.fqn)
+        local = bank.num_experts // ep.size
+        for name in bank.params:
+            old = module._parameters[name]
+            assert old is not None and old.is_meta, f"{bank.fqn}.{name} must be on meta when sharded"
+            shape = (local, *old.shape[1:])
+            module._parameters[name] = nn.Parameter(
+                torch.empty(shape, dtype=old.dtype, device="meta"), requires_grad=old.requires_grad
+            )
+        original = module.forward  # the bound forward of the model's own class
+
+        def forward(
+            hidden: torch.Tensor,
+            top_k_index: torch.Tensor,
+            top_k_weights: torch.Tensor,
+            _module: nn.Module = module,
+            _original: Any = original,
+            _num: int = bank.num_experts,
+        ) -> torch.Tensor:
+            return exchange(_module, _original, _num, ep, hidden, top_k_index, top_k_weights)
+
+        module.forward = forward  # an instance attribute: nn.Module.__call__ (and FSDP2's hooks around it) stay
+        ep.banks.append(bank)
+        ep.groups.append(bank.fqn)
+
+
+def exchange(
+    module: nn.Module,
+    original: Any,
+    num_experts: int,
+    ep: ExpertParallel,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Dispatch, local experts, combine (module doc, steps 1-4). hidden: (tokens, h); index, weights: (tokens, k)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    if ep.paused or hidden.is_meta:  # the pipeline's shape inference: the output's shape, differentiably
+        return hidden * top_k_weights.sum(-1, keepdim=True).to(hidden.dtype)
+    size, local = ep.size, num_experts // ep.size
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs by expert, hence by owner rank
+    token = order // k
+    counts = torch.bincount(flat, minlength=num_experts).view(size, local)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=ep.group)
+    send_splits = counts.sum(1).tolist()
+    recv_splits = received.sum(1).tolist()
+    rows = wait_tensor(all_to_all_single_autograd(hidden[token], recv_splits, send_splits, ep.group))
+    expert_of_row = torch.repeat_interleave(
+        torch.arange(local, device=hidden.device).repeat(size), received.reshape(-1)
+    ).unsqueeze(1)
+    ones = torch.ones(expert_of_row.shape, dtype=top_k_weights.dtype, device=hidden.device)
+    had = getattr(module, "num_experts", None)
+    if isinstance(had, int):
+        module.num_experts = local
+    try:
+        out = original(rows, expert_of_row, ones)
+    finally:
+        if isinstance(had, int):
+            module.num_experts = had
+    back = wait_tensor(all_to_all_single_autograd(out, send_splits, recv_splits, ep.group))
+    weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+    return torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token, back * weights).to(hidden.dtype)
+
+
+def expert_params(stage_modules: list[nn.Module], ep: ExpertParallel | None) -> list[nn.Parameter]:
+    """This rank's expert parameters among the stages' (after the data-parallel wrappers replaced them)."""
+    if ep is None:
+        return []
+    out: list[nn.Parameter] = []
+    for fqn in ep.groups:
+        for stage in stage_modules:
+            try:
+                module = stage.get_submodule(fqn)
+            except AttributeError:
+                continue
+            out.extend(module.parameters())
+    return out
+
+
+def gather_over_ep(value: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """The whole bank (all experts, in order) from each ep rank's rows (collective over the ep group)."""
+    parts = [torch.empty_like(value) for _ in range(ep.size)]
+    dist.all_gather(parts, value.contiguous(), group=ep.group)
+    return torch.cat(parts, dim=0)
+
+
+class _Slot(nn.Module):
+    """Stands in an expert list for one expert during a MoE layer's two passes (module doc): records the tokens the
+    model's dispatch hands to the expert (pass 1, returning zeros) or returns the exchanged outputs (pass 2)."""
+
+    def __init__(self, calls: _ListCalls, expert: int) -> None:
+        super().__init__()
+        self.calls, self.expert = calls, expert
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.calls.call(self.expert, x)
+
+
+@dataclass
+class _ListCalls:
+    """The calls of one MoE layer's experts in one forward: inputs recorded in pass 1, outputs replayed in pass 2."""
+
+    recording: bool = True
+    inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    def call(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.recording:
+            self.inputs.setdefault(expert, []).append(x)
+            return torch.zeros_like(x)
+        pending = self.outputs.get(expert)
+        if not pending:
+            raise Infeasible(f"expert {expert} was called more often in the second pass than in the first")
+        out = pending.pop(0)
+        if out.shape[:-1] != x.shape[:-1]:
+            raise Infeasible(f"expert {expert}: its dispatch differs between the two passes (data-dependent shapes)")
+        return out
+
+
+def shard_expert_list(model: nn.Module, site_fqn: str, list_fqn: str, ep: ExpertParallel) -> list[str]:
+    """ModuleList experts: keep this rank's L experts (the others become parameter-free slots) and run the MoE
+    module's forward twice per call (module doc). Returns the FQNs of the local expert modules."""
+    moe = model.get_submodule(site_fqn)
+    experts = model.get_submodule(list_fqn)
+    num = len(experts)
+    if num % ep.size:
+        raise Infeasible(f"{list_fqn}: ep {ep.size} does not divide its {num} experts")
+    local = num // ep.size
+    mine = range(ep.rank * local, (ep.rank + 1) * local)
+    keys = list(experts._modules)
+    for i, key in enumerate(keys):
+        if i not in mine:
+            experts._modules[key] = nn.Identity()  # no parameters: never materialised here; replaced in forward
+    original = moe.forward
+
+    def forward(*args: Any, _original: Any = original, _experts: nn.Module = experts, **kwargs: Any) -> Any:
+        return two_passes(_original, _experts, keys, mine, ep, args, kwargs)
+
+    moe.forward = forward
+    return [f"{list_fqn}.{keys[i]}" for i in mine]
+
+
+def two_passes(
+    original: Any, experts: nn.Module, keys: list[str], mine: range, ep: ExpertParallel, args: tuple, kwargs: dict
+) -> Any:
+    """Pass 1 records what the dispatch gives each expert; one exchange computes every expert on its owner; pass 2
+    runs the model's forward again with the experts' outputs (module doc)."""
+    calls = _ListCalls()
+    if ep.paused:  # the pipeline's shape inference: zeros from every expert, no exchange
+        return _with_slots(original, experts, keys, calls, args, kwargs)
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    real = [experts._modules[keys[i]] for i in mine]
+    _with_slots(original, experts, keys, calls, args, kwargs)
+    num, size, local = len(keys), ep.size, len(mine)
+    like = next(a for a in pytree_leaves(args, kwargs) if isinstance(a, torch.Tensor) and a.is_floating_point())
+    width = like.shape[-1]
+    flat: list[torch.Tensor] = []
+    counts: list[int] = []
+    for e in range(num):
+        xs = [x.reshape(-1, x.shape[-1]) for x in calls.inputs.get(e, [])]
+        flat.extend(xs)
+        counts.append(sum(x.shape[0] for x in xs))
+        width = xs[0].shape[-1] if xs else width
+    send = torch.cat(flat) if flat else like.new_zeros(0, width)
+    count_t = torch.tensor(counts, dtype=torch.long, device=send.device).view(size, local)
+    received = torch.empty_like(count_t)
+    dist.all_to_all_single(received, count_t, group=ep.group)
+    send_splits, recv_splits = count_t.sum(1).tolist(), received.sum(1).tolist()
+    rows = wait_tensor(all_to_all_single_autograd(send, recv_splits, send_splits, ep.group))
+    by_source = rows.split(received.reshape(-1).tolist())  # source rank-major, then local expert
+    per_expert = []
+    for j in range(local):  # each local expert once, on all its rows (every rank calls each: FSDP's hooks agree)
+        mine_rows = [by_source[q * local + j] for q in range(size)]
+        out = real[j](torch.cat(mine_rows))
+        per_expert.append(out.split([r.shape[0] for r in mine_rows]))
+    ordered = [per_expert[j][q] for q in range(size) for j in range(local)]
+    back = wait_tensor(all_to_all_single_autograd(torch.cat(ordered), send_splits, recv_splits, ep.group))
+    for e, chunk in enumerate(back.split(counts)):
+        shapes = [x.shape for x in calls.inputs.get(e, [])]
+        pieces = chunk.split([math.prod(s[:-1]) for s in shapes]) if shapes else []
+        calls.outputs[e] = [c.reshape(*s[:-1], c.shape[-1]) for c, s in zip(pieces, shapes)]
+    calls.recording = False
+    return _with_slots(original, experts, keys, calls, args, kwargs)
+
+
+def pytree_leaves(args: tuple, kwargs: dict) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves((args, kwargs))
+
+
+def _with_slots(
+    original: Any, experts: nn.Module, keys: list[str], calls: _ListCalls, args: tuple, kwargs: dict
+) -> Any:
+    """The MoE module's own forward with a slot in place of every expert; the experts are put back after."""
+    saved = dict(experts._modules)
+    for i, key in enumerate(keys):
+        experts._modules[key] = _Slot(calls, i)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        experts._modules.clear()
+        experts._modules.update(saved)

@@ -1,0 +1,162 @@
+"""Expert parallelism on gloo against one process: plans written by mlm-plan with --ep pinned, trained 5 steps.
+
+Models: tiny Hugging Face Qwen3-MoE (a dense first block, then 8 experts top-2; attention dropout 0.1), Mixtral
+(4 experts top-2, every block MoE) and DeepSeek-V3 (group-limited sigmoid routing, a shared expert, MLA), all with
+transformers 5's fused expert banks; and two hand-written MoEs whose experts are an nn.ModuleList called by the
+model's own loop (hand_moe.py: torch.where + index_add_, a shared expert; block_kinds.py: dense one-hot gating).
+Layouts: ep2 (dp2, zero 0 / 1 / 3), dp4 with ep2 (two groups of experts, each
+averaged over its own 2 holders) and pp2·dp2·ep2 (experts on both pipeline stages). The reference is one process on
+the same global batch of 4 sequences in micro-batches of 1, so routing, dropout masks (per layer and global
+micro-batch, runtime/data.py) and token means are defined the same way. Losses and SGD parameters within 1e-5,
+AdamW parameters within 2% of each tensor's movement in norm (test_runtime_parity.py explains both), every expert
+compared after gathering the banks over ep. The sparse hand-written MoE also captures: its per-expert token counts
+are data-dependent (torch.where), priced as balanced routing with a warning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import MODELS
+from test_runtime_harness import run_workers
+
+from mlm.planner.plan import load_plan
+from mlm.runtime.train import RunOptions, full_parameters, train
+
+STEPS = 5
+SGD = RunOptions(steps=STEPS, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5, device="cpu")
+ADAMW = RunOptions(steps=STEPS, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5, device="cpu")
+ATOL = 1e-5
+ADAMW_RTOL = 0.02
+MODELS_FILE = {
+    "qwen3": (MODELS / "moe_configs.py", "build_qwen3_moe", ["dropout=0.1"]),
+    "deepseek": (MODELS / "moe_configs.py", "build_deepseek_v3", []),
+    "mixtral": (MODELS / "block_kinds.py", "build_hf_moe", ["kind=mixtral"]),
+    "hand": (MODELS / "hand_moe.py", "build_model", []),
+    "onehot": (MODELS / "block_kinds.py", "build_dense_then_moe", ["dense=1", "moe=2", "shared=True"]),
+}
+# (model, optimizer, pins beyond --gpus): world 2, then world 4
+TWO = [
+    ("qwen3", "sgd", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
+    ("qwen3", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "3"]),
+    ("deepseek", "sgd", ["--gpus", "2", "--ep", "2", "--zero", "1"]),
+    ("mixtral", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
+    ("hand", "sgd", ["--gpus", "2", "--ep", "2", "--zero", "3"]),
+    ("onehot", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
+]
+FOUR = [
+    ("qwen3", "sgd", ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "0"]),
+    ("qwen3", "adamw", ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2", "--zero", "1"]),
+    ("hand", "adamw", ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2", "--zero", "0"]),
+]
+
+
+def _mlm_plan(tmp: Path, name: str, model: str, pins: list[str]) -> Path:
+    path, entry, args = MODELS_FILE[model]
+    out = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "mlm.cli.plan", str(path), "--entry", entry]
+    for a in args:
+        cmd += ["--model-arg", a]
+    cmd += ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--tp", "1", "--recompute", "none"]
+    cmd += [*pins, "--out", str(out)]
+    if "--pp" not in pins:
+        cmd += ["--pp", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLM_CACHE_DIR": str(tmp / "cache")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def _train_all(rank: int, runs: list[tuple[str, RunOptions]]) -> list[tuple[list[float], dict[str, Any]]]:
+    out = []
+    for path, opts in runs:
+        rt = train(load_plan(path), opts)
+        out.append(([r.loss for r in rt.records], full_parameters(rt)))
+    return out
+
+
+def _merged(per_rank: list[list[Any]], i: int) -> tuple[list[float], dict[str, Any]]:
+    params: dict[str, Any] = {}
+    for result in per_rank:
+        params.update(result[i][1])
+    return per_rank[0][i][0], params
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("ep")
+    out = {f"one-{m}": _mlm_plan(tmp, f"one-{m}", m, ["--gpus", "1"]) for m in MODELS_FILE}
+    for i, (model, _opt, pins) in enumerate(TWO + FOUR):
+        out[f"case{i}"] = _mlm_plan(tmp, f"case{i}", model, pins)
+    return out
+
+
+def _compare(got: tuple[list[float], dict], ref: tuple[list[float], dict], initial: dict, opt: str, what: str) -> None:
+    losses, params = got
+    ref_losses, ref_params = ref
+    assert len(losses) == STEPS, what
+    assert losses == pytest.approx(ref_losses, abs=ATOL), what
+    assert set(params) == set(ref_params), what
+    for name, want in ref_params.items():
+        assert params[name].shape == want.shape, f"{what}: {name}"
+        if opt == "sgd":
+            diff = (params[name] - want).abs().max().item()
+            assert diff <= ATOL, f"{what}: {name} differs by {diff:.3g}"
+        else:
+            moved = (want - initial[name]).norm().item()
+            rel = (params[name] - want).norm().item() / max(moved, ATOL)
+            assert rel <= ADAMW_RTOL, f"{what}: {name} differs by {rel:.2%} of its movement {moved:.3g}"
+
+
+def test_expert_parallel_matches_one_process(plans: dict[str, Path]) -> None:
+    cases = TWO + FOUR
+    opts = {"sgd": SGD, "adamw": ADAMW}
+    keys = sorted({(m, o) for m, o, _ in cases})
+    still = RunOptions(steps=1, optimizer="sgd", lr=0.0, seed=0, device="cpu")
+    ref_runs = [(str(plans[f"one-{m}"]), opts[o]) for m, o in keys] + [
+        (str(plans[f"one-{m}"]), still) for m in MODELS_FILE
+    ]
+    ref = run_workers(1, _train_all, ref_runs)
+    refs = {key: _merged(ref, i) for i, key in enumerate(keys)}
+    initial = {m: _merged(ref, len(keys) + j)[1] for j, m in enumerate(MODELS_FILE)}
+    for world, group, offset in ((2, TWO, 0), (4, FOUR, len(TWO))):
+        runs = [(str(plans[f"case{offset + i}"]), opts[o]) for i, (_m, o, _p) in enumerate(group)]
+        result = run_workers(world, _train_all, runs, timeout=400)
+        for i, (model, opt, _pins) in enumerate(group):
+            plan = load_plan(plans[f"case{offset + i}"])
+            assert plan.layout.ep == 2 and "ep" in plan.pinned, plan.layout
+            _compare(_merged(result, i), refs[model, opt], initial[model], opt, f"{model} {plan.layout} {opt}")
+
+
+def test_a_sparse_hand_written_moe_captures_with_its_data_dependent_sizes_named() -> None:
+    """hand_moe.py against hand counts: 4 experts of SwiGLU 64, top-2, a shared expert; FLOPs per block within 5% of
+    attention + router + 2 routed + 1 shared expert per token (balanced routing), and the assumption is a warning."""
+    from mlm.planner.capture.loader import load_model_spec
+    from mlm.planner.capture.trace import capture
+
+    seq, d, f, e, k = 32, 64, 64, 4, 2
+    ir = capture(load_model_spec(str(MODELS / "hand_moe.py"), "build_model", {}), seq_len=seq)
+    assert (ir.num_experts, ir.experts_top_k) == (e, k)
+    expert = 3 * d * f
+    block_params = 4 * d * d + 4 * d + 4 * d + d * e + e * expert + expert  # qkv+proj (+biases), 2 LNs, router
+    assert [b.params for b in ir.blocks] == [block_params] * 2
+    per_token = 2 * (4 * d * d + d * e + k * expert + expert) + 4 * seq * d / 2  # causal attention: half the scores
+    for b in ir.blocks:
+        assert (b.flops_matmul + b.flops_attention) / seq == pytest.approx(per_token, rel=0.05), b.name
+    assert any("data-dependent sizes" in w and "blocks.0.moe" in w for w in ir.warnings), ir.warnings
+
+
+def test_mlm_run_runs_an_ep_plan_from_the_command_line(plans: dict[str, Path], tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mlm.cli.run", str(plans["case0"]), "--steps", "2", "--simulate-locally"]
+    proc = subprocess.run(
+        [*cmd, "--device", "cpu", "--log", str(log)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ep2" in proc.stdout + proc.stderr
+    assert len(log.read_text().splitlines()) == 2

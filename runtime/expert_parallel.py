@@ -40,11 +40,13 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from mlm.planner.capture.moe import find_moe
@@ -153,9 +155,7 @@ def exchange(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """Dispatch, local experts, combine (module doc, steps 1-4). hidden: (tokens, h); index, weights: (tokens, k)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-    if ep.paused or hidden.is_meta:  # the pipeline's shape inference: the output's shape, differentiably
+    if ep.paused:  # the pipeline's shape inference: the output's shape, differentiably
         return hidden * top_k_weights.sum(-1, keepdim=True).to(hidden.dtype)
     size, local = ep.size, num_experts // ep.size
     k = top_k_index.shape[-1]
@@ -163,26 +163,45 @@ def exchange(
     order = torch.argsort(flat, stable=True)  # (token, k) pairs by expert, hence by owner rank
     token = order // k
     counts = torch.bincount(flat, minlength=num_experts).view(size, local)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=ep.group)
-    send_splits = counts.sum(1).tolist()
-    recv_splits = received.sum(1).tolist()
-    rows = wait_tensor(all_to_all_single_autograd(hidden[token], recv_splits, send_splits, ep.group))
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(local, device=hidden.device).repeat(size), received.reshape(-1)
-    ).unsqueeze(1)
-    ones = torch.ones(expert_of_row.shape, dtype=top_k_weights.dtype, device=hidden.device)
-    had = getattr(module, "num_experts", None)
-    if isinstance(had, int):
-        module.num_experts = local
-    try:
-        out = original(rows, expert_of_row, ones)
-    finally:
+
+    def run_bank(rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local, device=rows.device).repeat(size), received.reshape(-1)
+        ).unsqueeze(1)
+        ones = torch.ones(expert_of_row.shape, dtype=top_k_weights.dtype, device=rows.device)
+        had = getattr(module, "num_experts", None)
         if isinstance(had, int):
-            module.num_experts = had
-    back = wait_tensor(all_to_all_single_autograd(out, send_splits, recv_splits, ep.group))
+            module.num_experts = local
+        try:
+            return original(rows, expert_of_row, ones)
+        finally:
+            if isinstance(had, int):
+                module.num_experts = had
+
+    back = _rows_to_owners_and_back(hidden[token], counts, ep, run_bank)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     return torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token, back * weights).to(hidden.dtype)
+
+
+def _rows_to_owners_and_back(
+    send: torch.Tensor,
+    counts: torch.Tensor,
+    ep: ExpertParallel,
+    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The exchange both kinds of experts use. `send`: rows ordered by owner rank, then by the owner's local expert;
+    `counts` (ep, L): how many rows go to each. One all-to-all of the counts, the dispatch all_to_all_single
+    (autograd), `compute(rows, received)` on the rows received (ordered by source rank, then local expert;
+    `received` (ep, L) their numbers) returning one output row per row, and the reverse all_to_all_single: the
+    output rows in `send`'s order."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=ep.group)
+    send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+    rows = wait_tensor(all_to_all_single_autograd(send, recv_splits, send_splits, ep.group))
+    out = compute(rows, received)
+    return wait_tensor(all_to_all_single_autograd(out, send_splits, recv_splits, ep.group))
 
 
 def expert_params(stage_modules: list[nn.Module], ep: ExpertParallel | None) -> list[nn.Parameter]:
@@ -245,10 +264,7 @@ def shard_expert_list(model: nn.Module, site_fqn: str, list_fqn: str, ep: Expert
     module's forward twice per call (module doc). Returns the FQNs of the local expert modules."""
     moe = model.get_submodule(site_fqn)
     experts = model.get_submodule(list_fqn)
-    num = len(experts)
-    if num % ep.size:
-        raise Infeasible(f"{list_fqn}: ep {ep.size} does not divide its {num} experts")
-    local = num // ep.size
+    local = len(experts) // ep.size  # shard_experts checked that ep divides it
     mine = range(ep.rank * local, (ep.rank + 1) * local)
     keys = list(experts._modules)
     for i, key in enumerate(keys):
@@ -271,46 +287,35 @@ def two_passes(
     calls = _ListCalls()
     if ep.paused:  # the pipeline's shape inference: zeros from every expert, no exchange
         return _with_slots(original, experts, keys, calls, args, kwargs)
-    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
     real = [experts._modules[keys[i]] for i in mine]
     _with_slots(original, experts, keys, calls, args, kwargs)
-    num, size, local = len(keys), ep.size, len(mine)
-    like = next(a for a in pytree_leaves(args, kwargs) if isinstance(a, torch.Tensor) and a.is_floating_point())
-    width = like.shape[-1]
-    flat: list[torch.Tensor] = []
-    counts: list[int] = []
-    for e in range(num):
-        xs = [x.reshape(-1, x.shape[-1]) for x in calls.inputs.get(e, [])]
-        flat.extend(xs)
-        counts.append(sum(x.shape[0] for x in xs))
-        width = xs[0].shape[-1] if xs else width
-    send = torch.cat(flat) if flat else like.new_zeros(0, width)
+    size, local = ep.size, len(mine)
+    shapes = [[x.shape for x in calls.inputs.get(e, [])] for e in range(len(keys))]
+    counts = [sum(math.prod(s[:-1]) for s in per) for per in shapes]
+    flat = [x.reshape(-1, x.shape[-1]) for e in range(len(keys)) for x in calls.inputs.get(e, [])]
+    if flat:
+        send = torch.cat(flat)
+    else:  # no expert was called on this rank: it still takes part in the exchange
+        like = next(
+            a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        )
+        send = like.new_zeros(0, like.shape[-1])
+
+    def run_experts(rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        by_source = rows.split(received.reshape(-1).tolist())  # source rank-major, then local expert
+        per_expert = []
+        for j in range(local):  # each local expert once, on all its rows (every rank calls each: FSDP's hooks agree)
+            mine_rows = [by_source[q * local + j] for q in range(size)]
+            per_expert.append(real[j](torch.cat(mine_rows)).split([r.shape[0] for r in mine_rows]))
+        return torch.cat([per_expert[j][q] for q in range(size) for j in range(local)])
+
     count_t = torch.tensor(counts, dtype=torch.long, device=send.device).view(size, local)
-    received = torch.empty_like(count_t)
-    dist.all_to_all_single(received, count_t, group=ep.group)
-    send_splits, recv_splits = count_t.sum(1).tolist(), received.sum(1).tolist()
-    rows = wait_tensor(all_to_all_single_autograd(send, recv_splits, send_splits, ep.group))
-    by_source = rows.split(received.reshape(-1).tolist())  # source rank-major, then local expert
-    per_expert = []
-    for j in range(local):  # each local expert once, on all its rows (every rank calls each: FSDP's hooks agree)
-        mine_rows = [by_source[q * local + j] for q in range(size)]
-        out = real[j](torch.cat(mine_rows))
-        per_expert.append(out.split([r.shape[0] for r in mine_rows]))
-    ordered = [per_expert[j][q] for q in range(size) for j in range(local)]
-    back = wait_tensor(all_to_all_single_autograd(torch.cat(ordered), send_splits, recv_splits, ep.group))
+    back = _rows_to_owners_and_back(send, count_t, ep, run_experts)
     for e, chunk in enumerate(back.split(counts)):
-        shapes = [x.shape for x in calls.inputs.get(e, [])]
-        pieces = chunk.split([math.prod(s[:-1]) for s in shapes]) if shapes else []
-        calls.outputs[e] = [c.reshape(*s[:-1], c.shape[-1]) for c, s in zip(pieces, shapes)]
+        pieces = chunk.split([math.prod(s[:-1]) for s in shapes[e]]) if shapes[e] else []
+        calls.outputs[e] = [c.reshape(*s[:-1], c.shape[-1]) for c, s in zip(pieces, shapes[e])]
     calls.recording = False
     return _with_slots(original, experts, keys, calls, args, kwargs)
-
-
-def pytree_leaves(args: tuple, kwargs: dict) -> list[Any]:
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_leaves((args, kwargs))
 
 
 def _with_slots(

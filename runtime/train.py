@@ -662,11 +662,13 @@ def _record(
 def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:
     """This rank's parameters gathered to full tensors on CPU, by original FQN (collective over dp and tp)."""
     out: dict[str, torch.Tensor] = {}
-    rows = rt.experts.shard_names() if rt.experts is not None else {}
+    experts = rt.experts
+    rows = experts.shard_names() if experts is not None else {}
     for st in rt.stages:
         for name, p in st.named_parameters(remove_duplicate=False):
             value = gather_full(p)  # not p.full_tensor(): torch 2.13 gathers strided (per-head) shards wrongly
-            if original_fqn(name) in rows and rt.experts is not None:
-                value = gather_over_ep(value, rt.experts)
+            if original_fqn(name) in rows:
+                assert experts is not None
+                value = gather_over_ep(value, experts)
             out[original_fqn(name)] = value.detach().cpu().clone()
     return out

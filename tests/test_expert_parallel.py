@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import MODELS
-from test_runtime_harness import run_workers
+from test_runtime_harness import PARITY_ATOL, assert_params_match, run_workers
 
 from mlm.planner.plan import load_plan
 from mlm.runtime.train import RunOptions, full_parameters, train
@@ -30,8 +30,7 @@ from mlm.runtime.train import RunOptions, full_parameters, train
 STEPS = 5
 SGD = RunOptions(steps=STEPS, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5, device="cpu")
 ADAMW = RunOptions(steps=STEPS, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5, device="cpu")
-ATOL = 1e-5
-ADAMW_RTOL = 0.02
+ATOL = PARITY_ATOL
 MODELS_FILE = {
     "qwen3": (MODELS / "moe_configs.py", "build_qwen3_moe", ["dropout=0.1"]),
     "deepseek": (MODELS / "moe_configs.py", "build_deepseek_v3", []),
@@ -103,13 +102,7 @@ def _compare(got: tuple[list[float], dict], ref: tuple[list[float], dict], initi
     assert set(params) == set(ref_params), what
     for name, want in ref_params.items():
         assert params[name].shape == want.shape, f"{what}: {name}"
-        if opt == "sgd":
-            diff = (params[name] - want).abs().max().item()
-            assert diff <= ATOL, f"{what}: {name} differs by {diff:.3g}"
-        else:
-            moved = (want - initial[name]).norm().item()
-            rel = (params[name] - want).norm().item() / max(moved, ATOL)
-            assert rel <= ADAMW_RTOL, f"{what}: {name} differs by {rel:.2%} of its movement {moved:.3g}"
+    assert_params_match(params, ref_params, initial, opt, what)
 
 
 def test_expert_parallel_matches_one_process(plans: dict[str, Path]) -> None:

@@ -157,6 +157,30 @@ def make_plan(
     )
 
 
+PARITY_ATOL = 1e-5  # losses and SGD parameters (fp32 sums in another order)
+ADAMW_RTOL = 0.02  # AdamW: of each tensor's movement in the one-process run, in norm (test_runtime_parity.py)
+
+
+def assert_params_match(
+    params: dict[str, torch.Tensor],
+    ref_params: dict[str, torch.Tensor],
+    initial: dict[str, torch.Tensor],
+    optimizer: str,
+    what: str,
+) -> None:
+    """Trained parameters against one process's: every element within PARITY_ATOL under SGD; under AdamW each
+    tensor's distance within ADAMW_RTOL of how far one process moved it (test_runtime_parity.py says why)."""
+    assert set(params) == set(ref_params), what
+    for name, want in ref_params.items():
+        if optimizer == "sgd":
+            diff = (params[name] - want).abs().max().item()
+            assert diff <= PARITY_ATOL, f"{what}: {name} differs by {diff:.3g}"
+        else:
+            moved = (want - initial[name]).norm().item()
+            rel = (params[name] - want).norm().item() / max(moved, PARITY_ATOL)
+            assert rel <= ADAMW_RTOL, f"{what}: {name} differs by {rel:.2%} of its movement {moved:.3g}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -500,8 +500,7 @@ def concrete_data_dependent_sizes(graph: torch.fx.Graph, moe: dict[str, MoESite]
         v = n.meta.get("val")
         if not isinstance(v, torch.Tensor) or all(isinstance(s, int) for s in v.shape):
             continue
-        stack = n.meta.get("nn_module_stack") or {}
-        module = _strip_root(_clean_path(str(list(stack.values())[-1][0]))) if stack else ""
+        module = _module_of(n) or ""
         site = next((s for f, s in moe.items() if module == f or module.startswith(f + ".")), None)
         shape = [s if isinstance(s, int) else _bound(s, site.ir.num_experts if site else 1) for s in v.shape]
         n.meta["val"] = torch.empty(shape, dtype=v.dtype, device="meta")

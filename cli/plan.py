@@ -193,11 +193,20 @@ def print_inspect(summary: dict[str, Any], name: str, console: Console, cached: 
         f" (kv {summary['num_kv_heads']}), vocab {summary['vocab_size']}"
         f"{', tied embedding/head' if summary['tied_embeddings'] else ''}"
     )
+    moe = summary["moe"]
+    if moe is not None:
+        active = moe["active_params"]
+        console.print(
+            f"MoE: {moe['layers']} layers of {moe['num_experts']} routed experts, top-{moe['top_k']}; active "
+            f"parameters per token {active:,} ({si(active)}, {active / summary['num_params']:.1%} of all)"
+        )
     console.print(f"training FLOPs per token (6N-style, no recompute): {si(t['training_flops_per_token'], 'FLOP')}")
     console.print(
         f"captured with {summary['capture_method']} in {summary['capture_seconds']:.2f} s"
         + (" (read from the capture cache; --no-cache captures afresh)" if cached else "")
     )
+    for line in summary["warnings"]:  # every assumption the capture made, as mlm-plan prints them
+        console.print(f"[yellow]warning[/] {line}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,22 @@ def test_inspect_table_names_capture_method(capsys: pytest.CaptureFixture[str]) 
     assert "transformer.h.0" in out and "124.4M" in out and "captured with" in out
 
 
+def test_inspect_shows_experts_top_k_active_parameters_and_the_assumptions(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-MoE tiny (moe_configs.py: 3 blocks, the first dense, then 8 SwiGLU experts of 32 per block, top-2):
+    the active parameters are all parameters (counted on the module) less 6 idle experts in each of 2 MoE
+    blocks, by hand; the MoE recognition's assumption is printed as a warning."""
+    from mlm.planner.capture.loader import instantiate, load_model_spec
+
+    path = str(MODELS / "moe_configs.py")
+    model = instantiate(load_model_spec(path, "build_qwen3_moe", {}), "meta")
+    total = sum(p.numel() for p in model.parameters())
+    active = total - 2 * (8 - 2) * 3 * 64 * 32
+    assert main([path, "--entry", "build_qwen3_moe", "--seq-len", "32", "--inspect"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"MoE: 2 layers of 8 routed experts, top-2; active parameters per token {active:,}" in out
+    assert "warning MoE recognised" in out
+
+
 BAD_INPUTS = [
     (["does/not/exist.py"], "does not exist"),
     (["no-such-preset"], "presets: gpt2"),

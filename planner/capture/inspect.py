@@ -36,6 +36,16 @@ def inspect_summary(ir: ModelIR) -> dict[str, Any]:
         "num_layers": ir.num_layers,
         "num_params": ir.num_params,
         "tied_embeddings": ir.tied_embeddings,
+        "moe": (
+            {
+                "layers": len(ir.moe_layers),
+                "num_experts": ir.num_experts,
+                "top_k": ir.experts_top_k,
+                "active_params": ir.active_params,
+            }
+            if ir.moe_layers
+            else None
+        ),
         "warnings": list(ir.warnings),
         "layers": rows,
         "totals": {

@@ -68,8 +68,9 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
         "--cp",
         type=int,
         default=1,
-        help="context-parallel size (each sequence split over cp ranks, ring attention); default 1 because mlm-run "
-        "does not run cp yet; 0 = search it",
+        help="context-parallel size (each sequence split over cp ranks in 2·cp load-balanced chunks, K/V "
+        "all-gathered per attention layer, as mlm-run runs it); default 1 because no measured cp run calibrates its "
+        "cost yet; 0 = search it",
     )
     parser.add_argument(
         "--ep",

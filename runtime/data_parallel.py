@@ -17,6 +17,9 @@ the last micro-batch's backward, in fp32), by one of two torch wrappers:
   TP's DTensors as fully_shard does. DDP with a zero-bubble schedule trips a reducer INTERNAL ASSERT, so those
   schedules use replicate() too.
 
+The "dp" mesh axis is dp·cp ranks long (mesh.py): context-parallel ranks hold the same weights and reduce their
+gradients with the data-parallel ones, as in Megatron-Core, so everything here reads "dp" as dp·cp.
+
 zero 1 / 3: FSDP2 fully_shard over the dp mesh axis (composed with TP's DTensors on the same mesh). zero 3 shards
 parameters, gradients and optimizer state. zero 1 (shard only optimizer state) has no exact torch equivalent; the
 closest is fully_shard with reshard_after_forward=False: parameters stay gathered from forward to backward
@@ -57,7 +60,7 @@ def choose_data_parallel(
 ) -> DataParallelChoice:
     """The dp wrapper for a layout, pipeline schedule name and compute dtype (see module doc for the reasons)."""
     mixed = compute_dtype != torch.float32
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:  # context-parallel ranks reduce gradients together as dp ranks do (mesh.py)
         return DataParallelChoice("fsdp" if mixed else "none", False)
     if layout.zero == 0:
         # ep > 1: the expert banks are replicated over their own group (the dp ranks holding the same experts),

@@ -339,7 +339,7 @@ def _dry_run_role(
     from mlm.runtime.train import setup
 
     lay = plan.layout
-    rank = (pp_rank * lay.dp) * lay.tp  # dp_rank 0, tp_rank 0 of this pipeline rank
+    rank = (pp_rank * lay.dp * lay.cp) * lay.tp  # dp_rank 0, cp_rank 0, tp_rank 0 of this pipeline rank
     start = time.perf_counter()
     executed = lay.num_microbatches if every_microbatch else executed_microbatches(lay)
     planned_plan = plan
@@ -510,7 +510,7 @@ def _one_step(
 ) -> None:
     """The training step as run_steps (train.py) runs it, without reading any value back."""
     lay = rt.plan.layout
-    inputs, targets = rt.source.batch(0, info.dp_rank, lay.dp, rt.device)
+    inputs, targets = rt.source.batch(0, info.data_rank, lay.dp, rt.device)
     rt.optimizer.zero_grad(set_to_none=True)
     with rt.tp_contexts():
         if rt.schedule is None:
@@ -567,9 +567,24 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
         for h in handles:
             h.remove()
     lay = plan.layout
+    seq = plan.training.seq_len
+    if lay.cp > 1:  # a cp rank sends (and receives) its part of the sequence (runtime/context_parallel.py)
+        found = {s: [_context_shard(t, seq, lay.cp) for t in specs] for s, specs in found.items()}
+        seq //= lay.cp
     if lay.sequence_parallel and lay.tp > 1:  # a tp rank sends (and receives) its sequence shard
-        found = {s: [_sequence_shard(t, plan.training.seq_len, lay.tp) for t in specs] for s, specs in found.items()}
+        found = {s: [_sequence_shard(t, seq, lay.tp) for t in specs] for s, specs in found.items()}
     return found
+
+
+def _context_shard(spec: TensorSpec, seq_len: int, cp: int) -> TensorSpec:
+    from mlm.runtime.context_parallel import seq_dim
+
+    dim = seq_dim(spec.shape, seq_len)
+    if dim is None:
+        return spec
+    shape = list(spec.shape)
+    shape[dim] = seq_len // cp
+    return TensorSpec(tuple(shape), spec.dtype)
 
 
 def _sequence_shard(spec: TensorSpec, seq_len: int, tp: int) -> TensorSpec:

@@ -1,10 +1,13 @@
 """The device mesh ("pp", "dp", "tp") of a layout, and this rank's coordinates in it.
 
-tp is the fastest-varying axis (tensor-parallel groups are neighbouring ranks, inside a node) and pp the slowest,
-as in Megatron-LM. Expert parallelism (ep > 1, carved out of dp as in Megatron-Core) adds a second mesh over the
-same ranks, ("pp", "edp", "ep", "tp") with dp = edp · ep and ep the faster part: an ep group is ep neighbouring dp
-ranks, and the edp ranks that hold the same experts are ep apart. Context parallelism (cp > 1) is not implemented by
-this runtime yet.
+tp is the fastest-varying axis (tensor-parallel groups are neighbouring ranks, inside a node), then cp, dp and pp,
+as in Megatron-Core. The mesh's "dp" axis is the dp·cp ranks that reduce gradients together (Megatron-Core's dp_cp
+group: context-parallel ranks hold the same weights and different tokens), so DDP / FSDP2 work over it unchanged;
+with cp > 1 a second mesh ("pp", "dp", "cp", "tp") gives the cp groups, and `data_rank` the dp index that chooses
+the rows (every cp rank of one data-parallel replica reads the same sequences and keeps its part, see
+context_parallel.py). Expert parallelism (ep > 1, carved out of dp·cp as in Megatron-Core) adds a mesh over the
+same ranks, ("pp", "edp", "ep", "tp") with dp·cp = edp · ep and ep the faster part: an ep group is ep neighbouring
+dp·cp ranks, and the edp ranks that hold the same experts are ep apart.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from mlm.planner.layout import Layout
 
 AXES = ("pp", "dp", "tp")
 EXPERT_AXES = ("pp", "edp", "ep", "tp")
+CONTEXT_AXES = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,24 @@ class MeshInfo:
     dp_rank: int
     tp_rank: int
     expert_mesh: DeviceMesh | None = None  # ("pp", "edp", "ep", "tp") when ep > 1
+    cp_mesh: DeviceMesh | None = None  # ("pp", "dp", "cp", "tp") when cp > 1
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_mesh["cp"].size() if self.cp_mesh is not None else 1
+
+    @property
+    def cp_rank(self) -> int:
+        return self.dp_rank % self.cp_size  # cp is the faster part of the dp·cp axis
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.cp_mesh["cp"].get_group() if self.cp_mesh is not None else None
+
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel replica this rank belongs to (which rows of the global batch it reads)."""
+        return self.dp_rank // self.cp_size
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -66,15 +88,14 @@ class MeshInfo:
 
 
 def check_supported(layout: Layout) -> None:
-    """mlm-run executes tp, pp, dp, ZeRO and ep (with tp 1); context parallelism is planned but not run yet."""
-    if layout.cp != 1:
-        raise Infeasible(
-            f"layout.cp = {layout.cp}: context parallelism is planned by mlm-plan but not run by mlm-run yet; "
-            f"plan with --cp 1"
-        )
+    """mlm-run executes tp, pp, dp, cp, ZeRO and ep (with tp 1)."""
+    if layout.cp < 1:
+        raise Infeasible(f"layout.cp = {layout.cp} must be >= 1")
     if layout.ep > 1:
-        if layout.dp % layout.ep:
-            raise Infeasible(f"layout.ep = {layout.ep} must divide dp = {layout.dp} (ep is carved out of dp)")
+        if (layout.dp * layout.cp) % layout.ep:
+            raise Infeasible(
+                f"layout.ep = {layout.ep} must divide dp·cp = {layout.dp * layout.cp} (ep is carved out of dp·cp)"
+            )
         if layout.tp > 1:
             raise Infeasible(
                 f"layout.ep = {layout.ep} with tp = {layout.tp}: mlm-run runs expert parallelism with tp 1 only "
@@ -88,14 +109,17 @@ def build_mesh(layout: Layout, device_type: str) -> MeshInfo:
     world = dist.get_world_size()
     if world != layout.world_size:
         raise Infeasible(
-            f"the plan needs {layout.world_size} processes (pp{layout.pp}·dp{layout.dp}·tp{layout.tp}) "
-            f"but {world} were launched"
+            f"the plan needs {layout.world_size} processes ({layout.describe().split()[0]}) but {world} were launched"
         )
-    mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=AXES)
+    dp = layout.dp * layout.cp  # the ranks that reduce gradients together (module doc)
+    mesh = init_device_mesh(device_type, (layout.pp, dp, layout.tp), mesh_dim_names=AXES)
     coords = mesh.get_coordinate()
     assert coords is not None
-    experts = None
+    experts = contexts = None
     if layout.ep > 1:
-        shape = (layout.pp, layout.dp // layout.ep, layout.ep, layout.tp)
+        shape = (layout.pp, dp // layout.ep, layout.ep, layout.tp)
         experts = init_device_mesh(device_type, shape, mesh_dim_names=EXPERT_AXES)
-    return MeshInfo(mesh, coords[0], coords[1], coords[2], experts)
+    if layout.cp > 1:
+        shape = (layout.pp, layout.dp, layout.cp, layout.tp)
+        contexts = init_device_mesh(device_type, shape, mesh_dim_names=CONTEXT_AXES)
+    return MeshInfo(mesh, coords[0], coords[1], coords[2], experts, contexts)

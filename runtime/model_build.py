@@ -49,6 +49,9 @@ class LayerCall:
     fqn: str
     grad_leaves: tuple[int, ...]  # indices into pytree leaves of (args, kwargs) that are activations with grad
     output: Any  # the output pytree with tensors replaced by TensorSpec
+    # the shape of each pytree leaf of (args, kwargs), None for non-tensors and data-dependent shapes (context
+    # parallelism tells by it which arguments are whole-sequence tensors, context_parallel.py)
+    leaf_shapes: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def load_checked_spec(plan: Plan) -> ModelSpec:
@@ -92,13 +95,22 @@ def model_vocab(model: nn.Module, plan: Plan) -> int:
         return plan.model.vocab_size
 
 
+def _static_shape(x: Any) -> tuple[int, ...] | None:
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        return tuple(int(n) for n in x.shape)
+    except (TypeError, ValueError, RuntimeError):  # an unbacked symbolic size
+        return None
+
+
 def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[str, LayerCall]:
     """Run the training step once on meta tensors and record each plan layer's first call (see module doc)."""
     model = for_training(instantiate(spec, "meta"), cpu=True, experts="batched_mm")
     layers = plan_layers(plan)
     check_layers_cover_model(model, layers)
     calls: dict[str, LayerCall] = {}
-    pending: dict[str, tuple[int, ...]] = {}
+    pending: dict[str, tuple[tuple[int, ...], tuple[tuple[int, ...] | None, ...]]] = {}
     order: list[str] = []
     handles = []
     for fqn in layers:
@@ -108,7 +120,8 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             if fqn in pending or fqn in calls:
                 return
             leaves = pytree.tree_leaves((args, kwargs))
-            pending[fqn] = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
+            grads = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
+            pending[fqn] = grads, tuple(_static_shape(x) for x in leaves)
             order.append(fqn)
 
         def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn) -> None:
@@ -117,7 +130,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             spec_out = pytree.tree_map(
                 lambda x: TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out
             )
-            calls[fqn] = LayerCall(fqn, pending[fqn], spec_out)
+            calls[fqn] = LayerCall(fqn, pending[fqn][0], spec_out, pending[fqn][1])
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))

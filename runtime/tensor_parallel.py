@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -103,15 +104,23 @@ def features(module: nn.Module) -> tuple[int, int]:
     return (w.shape[0], w.shape[1]) if is_conv1d(module) else (w.shape[1], w.shape[0])
 
 
-def style_for(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
-    """The style of a linear outside any region (and of embeddings, heads, norms)."""
+def style_for(
+    style: str, module: nn.Module, sequence_parallel: bool, whole_sequence: bool = True
+) -> ParallelStyle | None:
+    """The style of a linear outside any region (and of embeddings, heads, norms). `whole_sequence`: the linear is a
+    plan layer of its own (an output head), whose output the loss reads whole."""
     seq = Shard(SEQ_DIM) if sequence_parallel else Replicate()
-    if style == "replicate" and sequence_parallel and is_linear(module):
-        # a replicated linear on the sequence-sharded residual stream (an output head whose vocabulary tp does not
-        # divide): gather its input once and compute the whole sequence with the plain weight, so that every tp
-        # rank holds the same output and the same, complete, weight gradient (on the shard alone the gradient
-        # would be a partial sum, a DTensor FSDP2 cannot reduce). Backward: a local slice, no communication.
+    if style == "replicate" and sequence_parallel and is_linear(module) and whole_sequence:
+        # a replicated output head (its vocabulary not divided by tp) on the sequence-sharded residual stream:
+        # gather its input once and compute the whole sequence with the plain weight, so that every tp rank holds
+        # the same output and the same, complete, weight gradient (on the shard alone the gradient would be a
+        # partial sum, a DTensor FSDP2 cannot reduce). Backward: a local slice, no communication.
         return PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    if style == "replicate" and sequence_parallel and is_linear(module):
+        # a replicated linear inside a block (the sharding ILP left an MLP whole): it computes this rank's sequence
+        # shard with the replicated weight, as the norms do, so a chain of such linears stays on the shard and
+        # joins the residual stream there; DTensor all-reduces the weight's partial gradient over tp
+        return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
     if style == "replicate" or (style == "sequence" and not sequence_parallel):
         return None
     if style == "sequence":
@@ -138,10 +147,12 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     sequence_start: str | None = None,
     num_heads: int | None = None,
+    layers: Collection[str] = (),
 ) -> bool:
     """Parallelize the modules of `model` (one stage's copy) in place; returns whether a vocabulary-parallel head
     is present (then the loss must run under loss_parallel()). `num_heads` (plan.model.num_heads), when given, is
-    checked against the heads the attention calls see."""
+    checked against the heads the attention calls see; `layers`: the plan's layer FQNs (a replicated linear that
+    is one, an output head, computes the whole sequence under sequence parallelism, style_for)."""
     names = [n for n, _ in model.named_modules() if n]
     concrete = expand_tp_map(tp_map, names)
     concrete = {n: s for n, s in concrete.items() if not isinstance(model.get_submodule(n), _FOREIGN)}
@@ -159,7 +170,7 @@ def apply_tensor_parallel(
             plan[name] = LocalColwise(region.splits.get(name, 1))
         elif region is not None:
             plan[name] = LocalRowwise(seq)
-        elif (style := style_for(style_name, module, sequence_parallel)) is not None:
+        elif (style := style_for(style_name, module, sequence_parallel, name in layers)) is not None:
             plan[name] = style
         if style_name == "vocab" and not isinstance(module, nn.Embedding):
             vocab_head = True

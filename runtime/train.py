@@ -13,18 +13,20 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 
 from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
+from mlm.runtime.context_parallel import ContextParallel
 from mlm.runtime.data import DropoutSeeds, TokenSource
 from mlm.runtime.data_parallel import apply_data_parallel, choose_data_parallel
 from mlm.runtime.expert_parallel import ExpertParallel, expert_params, find_banks, gather_over_ep, shard_experts
@@ -32,6 +34,8 @@ from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (
     LOSS_LAYER,
+    LayerCall,
+    TensorSpec,
     build_meta_model,
     load_checked_spec,
     materialize,
@@ -115,6 +119,7 @@ class Runtime:
     skipped: list[int] = field(default_factory=list)  # steps whose update was dropped (--skip-nonfinite)
     experts: ExpertParallel | None = None  # ep > 1: this rank's expert banks and ep group (expert_parallel.py)
     expert_params: list[nn.Parameter] = field(default_factory=list)
+    context: ContextParallel | None = None  # cp > 1: this rank's positions and cp group (context_parallel.py)
 
 
 def check_plan_runnable(plan: Plan) -> None:
@@ -131,8 +136,15 @@ def check_plan_runnable(plan: Plan) -> None:
                 f"tp = {lay.tp} does not divide the vocabulary ({plan.model.vocab_size}) for the "
                 f"vocabulary-parallel embedding / head"
             )
-        if lay.sequence_parallel and plan.training.seq_len % lay.tp:
-            raise Infeasible(f"sequence parallelism needs seq_len ({plan.training.seq_len}) divisible by tp")
+        if lay.sequence_parallel and plan.training.seq_len % (lay.tp * lay.cp):
+            raise Infeasible(
+                f"sequence parallelism needs seq_len ({plan.training.seq_len}) divisible by tp·cp = {lay.tp * lay.cp}"
+            )
+    if lay.cp > 1 and plan.training.seq_len % (2 * lay.cp):
+        raise Infeasible(
+            f"context parallelism needs seq_len ({plan.training.seq_len}) divisible by 2·cp = {2 * lay.cp} "
+            f"(2·cp load-balanced causal chunks)"
+        )
     if lay.micro_batch * lay.num_microbatches * lay.dp != plan.training.global_batch:
         raise PlanFileError("plan.json: training.global_batch != micro_batch * num_microbatches * dp")
 
@@ -196,6 +208,10 @@ def _build_runtime(
     tokens = LossTokens()
     loss_fn = tokens.wrap_loss_fn(spec.loss_fn)
     mine = [i for i, r in enumerate(stage_ranks(plan)) if r == info.pp_rank]
+    context = None
+    if lay.cp > 1:
+        context = ContextParallel(info.cp_rank, info.cp_size, info.cp_group, plan.training.seq_len)
+        calls, first_cp_layer = _context_parallel_layers(model, plan, calls, context)
     stages: list[StageModule] = []
     vocab_head = False
     experts = None
@@ -207,6 +223,8 @@ def _build_runtime(
         shard_experts(model, find_banks(model, owned), experts)
     for i in mine:
         stage = build_stage(model, loss_fn, plan, i, calls, device)
+        if context is not None:
+            context.shard_targets(stage.inner, first_cp_layer)
         if stage.is_last:
             tokens.attach(stage.inner, counts_inside_forward=spec.loss_fn is None)
         if lay.tp > 1:
@@ -216,6 +234,7 @@ def _build_runtime(
                 info.tp_mesh,
                 lay.sequence_parallel,
                 seq_start,
+                layers=plan_layers(plan),
             )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:
@@ -239,12 +258,12 @@ def _build_runtime(
             runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
     tied = _tied_copies(ties, plan, info, stages)
     del model, meta  # other stages' layers are freed; this rank keeps only its own
-    dropout = DropoutSeeds(opts.seed, info.dp_rank, lay.num_microbatches, device)
+    dropout = DropoutSeeds(opts.seed, info.data_rank, lay.num_microbatches, device)
     for st in stages:
         dropout.attach(st, [(f, st.inner.model.get_submodule(f)) for f in st.layers])
     params = _unique_params(stages)
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
-    paused = (tokens, dropout) if experts is None else (tokens, dropout, experts)
+    paused = tuple(c for c in (tokens, dropout, experts, context) if c is not None)
     schedule = _build_schedule(plan, stages, runners, info, device, paused)
     source = TokenSource(
         vocab=plan.model.vocab_size,
@@ -274,9 +293,29 @@ def _build_runtime(
     )
     rt.experts = experts
     rt.expert_params = expert_params([st.inner.model for st in stages], experts)
+    rt.context = context
     if opts.resume is not None:
         _resume(rt, opts.resume)
     return rt
+
+
+def _context_parallel_layers(
+    model: nn.Module, plan: Plan, calls: dict[str, LayerCall], context: ContextParallel
+) -> tuple[dict[str, LayerCall], str]:
+    """Make every plan layer from the first one that reads an activation run on this rank's positions
+    (context_parallel.py). Returns the recorded calls with those layers' outputs as long as this rank's part of
+    the sequence (what their placeholders on other stages stand for), and that first layer."""
+    layers = plan_layers(plan)
+    start = next((i for i, f in enumerate(layers) if calls[f].grad_leaves), 0)
+    out = dict(calls)
+    for fqn in layers[start:]:
+        context.wrap_layer(fqn, model.get_submodule(fqn), calls[fqn].leaf_shapes)
+        local = pytree.tree_map(
+            lambda x: TensorSpec(context.local_shape(x.shape), x.dtype) if isinstance(x, TensorSpec) else x,
+            calls[fqn].output,
+        )
+        out[fqn] = replace(calls[fqn], output=local)
+    return out, layers[start]
 
 
 def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callable[[], contextlib.ExitStack]:
@@ -364,7 +403,7 @@ def _tied_copies(ties: list[list[str]], plan: Plan, info: MeshInfo, stages: list
                 f"rank; place them on one stage or on different ranks"
             )
         pp_ranks = sorted(owners)
-        for d in range(lay.dp):
+        for d in range(lay.dp * lay.cp):  # the mesh's dp axis (mesh.py)
             for t in range(lay.tp):
                 group = dist.new_group([info.global_rank(p, d, t) for p in pp_ranks])
                 if (d, t) == (info.dp_rank, info.tp_rank) and info.pp_rank in owners:
@@ -491,7 +530,7 @@ def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) 
         start = time.perf_counter()
         factor = lr_factor(step, warmup, decay)
         set_lr(rt.optimizer, opts.lr, factor)
-        inputs, targets = rt.source.batch(step, rt.info.dp_rank, lay.dp, rt.device)
+        inputs, targets = rt.source.batch(step, rt.info.data_rank, lay.dp, rt.device)
         rt.optimizer.zero_grad(set_to_none=True)
         if rt.dropout is not None:
             rt.dropout.start_step(step)
@@ -507,7 +546,7 @@ def run_steps(rt: Runtime, on_step: Callable[[StepRecord], None] | None = None) 
         distinct = {id(p): lay.ep for p in rt.expert_params}
         raw_norm = float(grad_norm(rt.params, rt.info.pp_group if lay.pp > 1 else None, exclude, distinct))
         loss, tokens, stop, nonfinite = _reduce_step(rt, loss_sum, rt.tokens.take(), raw_norm)
-        scale = lay.dp / tokens  # loss sums -> global token mean; the dp wrappers average over replicas
+        scale = lay.dp * lay.cp / tokens  # loss sums -> global token mean; the dp wrappers average over dp·cp ranks
         norm = raw_norm * scale
         skipped = False
         if nonfinite:

@@ -172,7 +172,7 @@ SMALL = ("--model-arg", "n_layer=4", "--model-arg", "n_embd=256", "--model-arg",
 SMALL += ("--model-arg", "vocab_size=1024", "--model-arg", "block_size=256", "--seq-len", "128", "--global-batch", "16")
 _EXACT = {
     # every layout family mlm-run runs today: tp with and without sequence parallelism, with pipelining, under
-    # ZeRO-1 and ZeRO-3 (FSDP2), with full recompute (docs/semantics.md)
+    # ZeRO-1 and ZeRO-3 (FSDP2), with full recompute, with context parallelism (docs/semantics.md)
     "tp2pp2": ("--gpus", "4", "--tp", "2", "--pp", "2", "--vpp", "1", "--no-sequence-parallel", "--zero", "0"),
     "tp2z1": ("--gpus", "4", "--tp", "2", "--dp", "2", "--no-sequence-parallel", "--zero", "1"),
     "tp2sp": TP2SP,
@@ -193,6 +193,42 @@ _EXACT = {
     "z3-full": ("--gpus", "4", "--dp", "4", "--zero", "3", "--recompute", "full"),
     # a vocabulary tp does not divide (GPT-2's 50257 at tp 2): replicated embedding and head, the head's input gathered
     "tp2sp-odd-vocab": (*TP2SP, "--model-arg", "vocab_size=1025"),
+    # zero 0 over dp under bf16 / tp (replicate(): one all-reduce per layer), the tied embedding's copy on the
+    # last stage reduced once
+    "tp2dp2pp2sp-z0": tuple("--gpus 8 --dp 2 --tp 2 --pp 2 --vpp 1 --sequence-parallel --zero 0".split()),
+    # context parallelism: K/V all-gathers and dK/dV reduce-scatters per block, gradients reduced over dp·cp, the
+    # pipeline sending each rank's part of the sequence
+    "cp2tp2pp2sp": (
+        "--gpus",
+        "8",
+        "--cp",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--vpp",
+        "1",
+        "--sequence-parallel",
+        "--zero",
+        "0",
+    ),  # fmt: skip
+    "cp2z3-full": (
+        "--gpus",
+        "4",
+        "--cp",
+        "2",
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--zero",
+        "3",
+        "--recompute",
+        "full",
+    ),  # fmt: skip
 }
 
 

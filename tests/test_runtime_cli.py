@@ -103,11 +103,11 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
 
     save_plan(
         dataclasses.replace(
-            plan, layout=dataclasses.replace(plan.layout, cp=2), cluster=dataclasses.replace(plan.cluster, num_gpus=2)
+            plan, layout=dataclasses.replace(plan.layout, cp=3), cluster=dataclasses.replace(plan.cluster, num_gpus=3)
         ),
         tmp_path / "cp.json",
     )
-    _one_line_error(main([str(tmp_path / "cp.json")]), capsys.readouterr().err, "context parallelism")
+    _one_line_error(main([str(tmp_path / "cp.json")]), capsys.readouterr().err, "divisible by 2·cp = 6")
 
     model.write_text(model.read_text() + "\n# edited\n")
     _one_line_error(main([str(tmp_path / "plan.json")]), capsys.readouterr().err, "has changed")

@@ -25,6 +25,7 @@ import torch.fx
 from torch import nn
 
 from mlm.planner.capture import masks
+from mlm.planner.capture.graph import HAND_WRITTEN_ATTENTION
 from mlm.planner.capture.ops import ATTENTION_OPS, OpCost, op_name, val
 
 # kinds the key walk passes through (they keep the key a key); anything else produced it
@@ -200,7 +201,7 @@ def _softmax_site(
         if _is_cross(operands[0], operands[1], _module(scores), dependent)
         else _score_mask(softmax, scores, costs, dependent)
     )
-    return AttentionSite(owner.get(scores, ""), _module(scores), "matmul-softmax-matmul", heads, kv, d, s_q, s_k, kind)
+    return AttentionSite(owner.get(scores, ""), _module(scores), HAND_WRITTEN_ATTENTION, heads, kv, d, s_q, s_k, kind)
 
 
 def _score_mask(

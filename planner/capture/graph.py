@@ -15,6 +15,9 @@ import networkx as nx
 LayerKind = Literal["embedding", "block", "norm", "head", "loss", "other"]
 
 
+HAND_WRITTEN_ATTENTION = "matmul-softmax-matmul"  # how capture names attention computed without SDPA (facts.py)
+
+
 @dataclass(frozen=True)
 class LinearOp:
     """One nn.Linear-like matmul (or embedding lookup) inside a layer, as captured."""
@@ -152,6 +155,9 @@ class ModelIR:
     tied_embeddings: bool = False
     head_dim: int = 0  # from the attention op's query (0: no attention op found); not always hidden // heads
     attention_kinds: tuple[str, ...] = ()  # distinct kinds in graph order: "causal", "sliding window 4096", ...
+    # how attention is computed, distinct, in graph order: "scaled_dot_product_attention", "matmul-softmax-matmul"
+    # (mlm-run's context parallelism splits only the first)
+    attention_ops: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
     block_kinds: tuple[BlockKind, ...] = ()  # every distinct block, captured once each
 

@@ -125,6 +125,7 @@ def capture(
         tied_embeddings=tied,
         head_dim=facts.head_dim,
         attention_kinds=facts.attention_kinds,
+        attention_ops=tuple(dict.fromkeys(site.how for site in found.attention)),
         warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
         block_kinds=kinds,
     )

@@ -14,11 +14,17 @@ step_time.py's docstring):
            each SP norm parameter's gradient per gradient reduction (every micro-batch under ZeRO-3, else once)
   pp       per virtual stage and micro-batch one send forward (not the last stage) and one backward (not the first)
            of micro_batch·block.output_bytes (/ tp with sequence parallelism: the rank's sequence shard)
-  dp       zero 0: ceil(grad bytes / DDP bucket) all-reduces of the gradients; zero 1 (and zero 3 under
+  dp       zero 0: one all-reduce of the gradients per FSDP unit (replicate(), which every bf16 run and every tp > 1
+           run uses, runtime/data_parallel.py; torch DDP, used only for fp32 runs with tp 1, would issue
+           ceil(grad bytes / bucket) instead); zero 1 (and zero 3 under
            pipelining): one reduce-scatter of the gradients per FSDP unit, one all-gather of the parameters per unit
            and micro-batch (once per step under pipelining); zero 3: per unit and micro-batch one all-gather in
            forward and one in backward (a fully recomputed forward runs on it), and one reduce-scatter
            (CostOptions.zero3_reduce_every_microbatch; once per step when False)
+  cp       per attention layer and micro-batch an all-gather of K and one of V over the cp group (again under
+           full recompute) and a reduce-scatter of dK and one of dV, of cp·micro_batch·kv_bytes/tp each (the
+           gathered K/V; `layer` holds one cp rank's share, inputs.cp_share); the tp and pp traffic is one rank's
+           part of the sequence, and the dp terms reduce over dp·cp ranks
   tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank (of the
            rank's dp shard under ZeRO >= 1)
   norm     more than one rank: one all-reduce of the squared gradient norm (4 bytes) over every rank
@@ -27,10 +33,9 @@ FSDP units are what runtime/data_parallel.py wraps: every layer that holds param
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, vocab_shards
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, vocab_shards
 from mlm.planner.cost.memory import local_params
 from mlm.planner.layout import Layout
 
@@ -56,7 +61,7 @@ def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
 def sp_norm_reductions(layout: Layout, zero3_reduce_every_microbatch: bool) -> int:
     """How often per step each SP norm gradient is all-reduced over tp: with the gradients' reduction, so every
     micro-batch under ZeRO-3 without pipelining (when it reduces every micro-batch), else once."""
-    every = layout.dp > 1 and layout.zero == 3 and layout.pp == 1 and zero3_reduce_every_microbatch
+    every = layout.dp * layout.cp > 1 and layout.zero == 3 and layout.pp == 1 and zero3_reduce_every_microbatch
     return layout.num_microbatches if every else 1
 
 
@@ -86,13 +91,21 @@ def _tp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: in
     _add(out, "all_reduce", m * layer.tp_fixed_count, m * mb * layer.tp_fixed_bytes)
 
 
+def _cp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: int, recompute: str) -> None:
+    if layout.cp == 1 or not layer.kv_bytes:
+        return
+    gathered = layout.cp * layout.micro_batch * layer.kv_bytes / layout.tp  # K and V together
+    forwards = 2 if recompute == "full" else 1
+    _add(out, "all_gather", m * 2 * forwards, m * forwards * gathered)
+    _add(out, "reduce_scatter", m * 2, m * gathered)
+
+
 def rank_collectives(
     inputs: ModelCostInputs,
     layout: Layout,
     blocks_per_stage: tuple[int, ...],
     pp_rank: int,
     grad_reduce_bytes: float = 4.0,
-    ddp_bucket_bytes: float = 25.0 * 2**20,
     zero3_reduce_every_microbatch: bool = True,
     units: dict[int, int] | None = None,
     recompute_blocks: tuple[int, ...] | None = None,
@@ -101,8 +114,9 @@ def rank_collectives(
     `units`: FSDP units per virtual stage when the IR knows them (parameter-holding layers + 1); by default the
     merged pre / post layers count as one layer each. `recompute_blocks`: blocks per virtual stage that run
     layout.recompute (its first ones, as plan.json's recompute_layers; None: all of them)."""
-    inputs = for_tp(inputs, layout.tp)
+    inputs = cp_share(for_tp(inputs, layout.tp), layout.cp)
     m, pp = layout.num_microbatches, layout.pp
+    dp = layout.dp * layout.cp  # the ranks that reduce gradients together
     out: dict[str, CollectiveCount] = {}
     stages = [i for i in range(len(blocks_per_stage)) if i % pp == pp_rank]
     last = len(blocks_per_stage) - 1
@@ -119,7 +133,9 @@ def rank_collectives(
         for k, layer in enumerate(layers):  # the layers before and after the blocks are not recomputed
             block = k - (1 if i == 0 else 0)
             is_block = layer is inputs.block and 0 <= block < blocks_per_stage[i]
-            _tp(out, layer, layout, m, layout.recompute if is_block and block < recomputed else "none")
+            recompute = layout.recompute if is_block and block < recomputed else "none"
+            _tp(out, layer, layout, m, recompute)
+            _cp(out, layer, layout, m, recompute)
             if layout.tp > 1 and layout.sequence_parallel:
                 sp_tensors += layer.sp_param_count
                 sp_elems += layer.sp_param_elems
@@ -132,15 +148,15 @@ def rank_collectives(
             _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
         vs = vocab_shards(inputs, layout.tp)
-        params += inputs.tied_params / vs if 0 not in stages or last not in stages else 0.0
+        # the IR counts tied parameters at the embedding: the rank with the head but not the embedding holds a copy
+        params += inputs.tied_params / vs if 0 not in stages else 0.0
         # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
-        shard = vs * (layout.dp if layout.zero >= 1 else 1)
+        shard = vs * (dp if layout.zero >= 1 else 1)
         _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / shard)
-    if layout.dp > 1:
+    if dp > 1:
         grads = grad_reduce_bytes * params
         if layout.zero == 0:
-            calls = max(1, math.ceil(grads / ddp_bucket_bytes))
-            _add(out, "all_reduce", calls, grads)
+            _add(out, "all_reduce", unit_count, grads)
         elif layout.zero == 1 or pp > 1:  # FSDP2 without resharding after forward
             gathers = 1 if pp > 1 else m
             _add(out, "reduce_scatter", unit_count, grads)
@@ -152,7 +168,7 @@ def rank_collectives(
             _add(out, "reduce_scatter", reduces * unit_count, reduces * grads)
     # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
     # the bf16 unsharded gradient (before FSDP's reduce-scatter casts it), else once per step
-    zero3 = layout.dp > 1 and layout.zero == 3 and pp == 1
+    zero3 = dp > 1 and layout.zero == 3 and pp == 1
     sp_times = sp_norm_reductions(layout, zero3_reduce_every_microbatch)
     sp_bytes = PARAM_WIRE_BYTES if zero3 else grad_reduce_bytes
     _add(out, "all_reduce", sp_times * sp_tensors, sp_times * sp_bytes * sp_elems)

@@ -479,3 +479,50 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
         attn_materialized=total.attn_materialized,
         **{f.name: round(getattr(total, f.name) / n) for f in fields(total) if f.name.endswith("_count")},
     )
+
+
+def cp_share(inputs: ModelCostInputs, cp: int) -> ModelCostInputs:
+    """What one of cp context-parallel ranks computes, moves and keeps of each sample: every token-proportional
+    term ÷cp (GEMM rows; attention score work, balanced by the 2·cp causal chunks; bytes; activations, but the
+    gathered K/V the attention saves; tp, pp, all-to-all and K/V traffic); parameters, collective counts and the
+    model FLOPs (what MFU counts) stay whole, and so do the layers before the first block (the embeddings, which
+    mlm-run runs on the whole sequence before cutting it)."""
+    if cp == 1:
+        return inputs
+
+    def local(c: LayerCost) -> LayerCost:
+        scaled = {name: getattr(c, name) / cp for name in _TOKEN_FIELDS}
+        # the attention saves the all-gathered K/V of the whole sequence, not its chunk (runtime/context_parallel.py)
+        scaled["act_sharded"] += c.kv_bytes * (cp - 1) / cp
+        gemms = tuple(replace(g, rows=g.rows / cp) for g in c.gemms)  # type: ignore[arg-type]
+        return replace(c, gemms=gemms, **scaled)
+
+    return replace(
+        inputs,
+        block=local(inputs.block),
+        # the embeddings run on the whole sequence (runtime/context_parallel.py); the first block's input is cut to
+        # the rank's part before sequence parallelism scatters it, so the backward gathers that part
+        pre=replace(inputs.pre, sp_gather_bytes=inputs.pre.sp_gather_bytes / cp),
+        post=local(inputs.post),
+        block_costs=tuple(local(c) for c in inputs.block_costs),
+    )
+
+
+_TOKEN_FIELDS = (
+    "attn_flops",
+    "mem_sharded",
+    "mem_replicated",
+    "core_bytes",
+    "act_sharded",
+    "act_replicated",
+    "act_gathered",
+    "act_core",
+    "act_input",
+    "output_bytes",
+    "tp_fwd_bytes",
+    "tp_bwd_bytes",
+    "tp_fixed_bytes",
+    "sp_gather_bytes",
+    "dispatch_bytes",
+    "kv_bytes",
+)

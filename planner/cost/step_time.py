@@ -41,10 +41,12 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
               allowance (capture's option, in the warnings).
   cp          context parallelism: each sequence split over cp ranks in 2·cp load-balanced causal chunks, so every
               token-proportional term (GEMM rows, attention score work, memory-bound bytes, activations, tp and pp
-              traffic, all-to-alls) is ÷cp per rank, attention at the efficiency of s/cp-long chunks. Ring
-              attention passes each chunk's K and V (the layer's real K/V bytes, ÷tp) cp−1 times forward and twice
-              as much backward (K/V and dK/dV), hidden under the attention compute up to its time. Gradients
-              (and ZeRO shards) reduce over dp·cp.
+              traffic, all-to-alls) is ÷cp per rank, attention at the efficiency of s/cp-long chunks. As mlm-run
+              runs it (the all-gather form Llama 3 trained with): per attention layer and micro-batch an
+              all-gather of K and of V (the layer's real K/V bytes, ÷tp; what ring attention passes forward) and a
+              reduce-scatter of dK, dV in backward, not overlapped; the gathered K/V stay saved for the backward
+              ((cp−1)/cp of the layer's K/V more activation than ÷cp, cp_share). Gradients (and ZeRO shards)
+              reduce over dp·cp.
 
 Breakdown: step_time_s = compute_s + recompute_s + tp_comm_s + pp_comm_s + ep_comm_s + cp_comm_s (the last two only
 when ep > 1, cp > 1; the busiest pipeline rank's per-micro-batch terms x m; compute_s holds GEMMs, attention and
@@ -74,7 +76,7 @@ from mlm.planner.cost.collectives import (
     ring_link,
 )
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, for_tp, summarize, vocab_shards
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, summarize, vocab_shards
 from mlm.planner.cost.memory import (
     MemoryBreakdown,
     activation_bytes,
@@ -313,7 +315,7 @@ def _layer_times(
     else:
         extra = 0.0
     a2a_f, ep_s = _all_to_alls(layer, layout, cluster, moe_share)
-    ring_f, cp_s = _ring_exchange(layer, layout, cluster, attn_f, attn_b)
+    ring_f, cp_s = _context_exchange(layer, layout, cluster)
     if layout.recompute == "full":
         extra += a2a_f + ring_f
     tp_total = tp_f + tp_b + _tp_fixed(layer, layout, tp_link)
@@ -333,19 +335,18 @@ def _all_to_alls(
     return 2.0 * one, 4.0 * one
 
 
-def _ring_exchange(
-    layer: LayerCost, layout: Layout, cluster: ClusterProfile | None, attn_f: float, attn_b: float
-) -> tuple[float, float]:
-    """(forward, forward + backward) exposed time of ring attention's K/V exchange for one micro-batch: cp−1 sends
-    of the rank's K/V chunk (its kv heads ÷tp) forward, twice that backward, each hidden under the attention
-    compute of its direction up to that compute's time."""
+def _context_exchange(layer: LayerCost, layout: Layout, cluster: ClusterProfile | None) -> tuple[float, float]:
+    """(forward, forward + backward) time of context parallelism's K/V exchange for one micro-batch, as mlm-run
+    runs it (runtime/context_parallel.py): an all-gather of K and of V over the cp group (each rank receives the
+    other cp−1 ranks' chunks, its kv heads ÷tp: the bytes ring attention passes forward), and in backward a
+    reduce-scatter of dK and dV. Not overlapped: the attention waits for its keys."""
     cp = layout.cp
     if cp <= 1 or not layer.kv_bytes or cluster is None:
         return 0.0, 0.0
-    step = p2p_s(layout.micro_batch * layer.kv_bytes / layout.tp, ring_link(cluster, cp, layout.tp))
-    ring = (cp - 1) * step
-    forward = max(0.0, ring - attn_f)
-    return forward, forward + max(0.0, 2.0 * ring - attn_b)
+    gathered = cp * layout.micro_batch * layer.kv_bytes / layout.tp  # `layer` holds one rank's K/V
+    link = ring_link(cluster, cp, layout.tp)
+    forward = all_gather_s(gathered, cp, link, calls=2)
+    return forward, forward + reduce_scatter_s(gathered, cp, link, calls=2)
 
 
 def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> float:
@@ -605,47 +606,6 @@ def evaluate(
         stages.append(stage)
         ranks.add(i % pp, stage, params, experts)
     return _assemble(whole, inputs, layout, gpu, cluster, stages, ranks, options)
-
-
-def cp_share(inputs: ModelCostInputs, cp: int) -> ModelCostInputs:
-    """What one of cp context-parallel ranks computes, moves and keeps of each sample: every token-proportional
-    term ÷cp (GEMM rows; attention score work, balanced by the 2·cp causal chunks; bytes; activations; tp, pp,
-    all-to-all and K/V traffic); parameters, collective counts and the model FLOPs (what MFU counts) stay whole."""
-    if cp == 1:
-        return inputs
-
-    def local(c: LayerCost) -> LayerCost:
-        scaled = {name: getattr(c, name) / cp for name in _TOKEN_FIELDS}
-        gemms = tuple(replace(g, rows=g.rows / cp) for g in c.gemms)  # type: ignore[arg-type]
-        return replace(c, gemms=gemms, **scaled)
-
-    return replace(
-        inputs,
-        block=local(inputs.block),
-        pre=local(inputs.pre),
-        post=local(inputs.post),
-        block_costs=tuple(local(c) for c in inputs.block_costs),
-    )
-
-
-_TOKEN_FIELDS = (
-    "attn_flops",
-    "mem_sharded",
-    "mem_replicated",
-    "core_bytes",
-    "act_sharded",
-    "act_replicated",
-    "act_gathered",
-    "act_core",
-    "act_input",
-    "output_bytes",
-    "tp_fwd_bytes",
-    "tp_bwd_bytes",
-    "tp_fixed_bytes",
-    "sp_gather_bytes",
-    "dispatch_bytes",
-    "kv_bytes",
-)
 
 
 def moe_share(inputs: ModelCostInputs) -> float:

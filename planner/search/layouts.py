@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from mlm.planner.capture.graph import ModelIR, MoEIR
+from mlm.planner.capture.graph import HAND_WRITTEN_ATTENTION, ModelIR, MoEIR
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.cost.step_time import (
@@ -701,6 +701,11 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
         return "sequence parallelism needs tp > 1"
     if layout.cp > 1 and ir.seq_len % (2 * layout.cp):
         return f"cp {layout.cp}: seq_len {ir.seq_len} does not split into 2·cp load-balanced causal chunks"
+    if layout.cp > 1 and HAND_WRITTEN_ATTENTION in ir.attention_ops:
+        return (
+            f"cp {layout.cp}: the model computes attention by hand ({HAND_WRITTEN_ATTENTION}), which mlm-run's "
+            f"context parallelism cannot split (it replaces F.scaled_dot_product_attention)"
+        )
     if (layout.dp * layout.cp) % layout.ep:
         return f"ep {layout.ep} does not divide dp·cp = {layout.dp * layout.cp} (expert ranks come from them)"
     if layout.ep > 1 and not ir.num_experts:
@@ -863,6 +868,30 @@ def _batch_message(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -
     )
 
 
+def _pinned_problems(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[str]:
+    """Why the layouts the pins leave cannot run (layout_problem's distinct reasons, in search order)."""
+    out: list[str] = []
+    for tp, pp, dp, cp, ep, zero in _groups(ir, request, cluster):
+        for mb in _micro_batches(request, dp)[:1]:
+            layout = Layout(
+                tp=tp,
+                pp=pp,
+                dp=dp,
+                cp=cp,
+                ep=ep,
+                micro_batch=mb,
+                num_microbatches=request.global_batch // (dp * mb),
+                vpp=request.vpp or 1,
+                sequence_parallel=bool(request.sequence_parallel) and tp > 1,
+                recompute=request.recompute or "none",
+                zero=zero,
+            )
+            problem = layout_problem(ir, layout, request.global_batch)
+            if problem and problem not in out:
+                out.append(problem)
+    return out
+
+
 def _no_fit_message(
     ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, misses: list[Candidate]
 ) -> str:
@@ -887,8 +916,9 @@ def _no_fit_message(
             f"{request.num_gpus} GPUs: nothing to shard; use --zero 0 (or more GPUs, or a smaller --tp / --pp)"
         )
     if closest is None:
+        problems = _pinned_problems(ir, request, cluster) if pinned else []
         why = (
-            with_pins
+            with_pins + (f" ({'; '.join(problems[:3])})" if problems else "")
             if pinned
             else f" with global batch {request.global_batch} (every pipeline needs at least pp micro-batches and "
             f"the batch must split over dp): raise --global-batch or use fewer GPUs"

@@ -74,7 +74,6 @@ def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignme
             counts,
             rank,
             MLM_RUN.grad_reduce_bytes,
-            MLM_RUN.ddp_bucket_bytes,
             MLM_RUN.zero3_reduce_every_microbatch,
             units,
             assignment.recompute_blocks if assignment else None,

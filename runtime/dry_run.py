@@ -541,11 +541,16 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
     """Stage index -> the activations it receives for one micro-batch (the floating tensors with gradients among
     its first layer's call arguments), from one training step on the meta device; in `dtype` when given (the
     compute dtype: the meta model runs in fp32, a bf16 stage sends bf16)."""
-    from mlm.planner.capture.loader import instantiate
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mlm.planner.capture.loader import for_training, instantiate
     from mlm.planner.capture.training_step import TrainingModule
     from mlm.runtime.model_build import model_vocab, token_batch
 
-    model = instantiate(spec, "meta")
+    # the training program on fake tensors, as model_build.record_layer_calls runs it (transformers' mask code
+    # branches on values that plain meta tensors do not have)
+    model = for_training(instantiate(spec, "meta"), cpu=True, experts="batched_mm")
     firsts = {_first_layer(plan, s): s for s in range(1, len(plan.stages))}
     found: dict[int, list[TensorSpec]] = {}
     handles = []
@@ -562,7 +567,8 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
         handles.append(model.get_submodule(fqn).register_forward_pre_hook(pre, with_kwargs=True))
     inputs, targets = token_batch(model_vocab(model, plan), plan.layout.micro_batch, plan.training.seq_len, "meta")
     try:
-        TrainingModule(model, spec.loss_fn)(inputs, targets)
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+            TrainingModule(model, spec.loss_fn)(inputs, targets)
     finally:
         for h in handles:
             h.remove()

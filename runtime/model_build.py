@@ -17,7 +17,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -52,6 +52,9 @@ class LayerCall:
     # the shape of each pytree leaf of (args, kwargs), None for non-tensors and data-dependent shapes (context
     # parallelism tells by it which arguments are whole-sequence tensors, context_parallel.py)
     leaf_shapes: tuple[tuple[int, ...] | None, ...] = ()
+    # FQN -> the first call's (args, kwargs) of each module inside the layer that holds a linear directly, tensors
+    # as TensorSpec (tensor parallelism checks an attention / MLP region by calling it so, tensor_parallel.py)
+    inner: dict[str, Any] = field(default_factory=dict)
 
 
 def load_checked_spec(plan: Plan) -> ModelSpec:
@@ -95,6 +98,19 @@ def model_vocab(model: nn.Module, plan: Plan) -> int:
         return plan.model.vocab_size
 
 
+def _holds_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"  # HF GPT-2's transposed linear
+
+
+def _call_spec(x: Any) -> Any:
+    """A call argument as recorded: a tensor's shape and dtype; None, numbers and strings as they are; any other
+    object (a cache, a config) as None."""
+    if isinstance(x, torch.Tensor):
+        shape = _static_shape(x)
+        return TensorSpec(shape, x.dtype) if shape is not None else None
+    return x if x is None or isinstance(x, (bool, int, float, str)) else None
+
+
 def _static_shape(x: Any) -> tuple[int, ...] | None:
     if not isinstance(x, torch.Tensor):
         return None
@@ -113,6 +129,15 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     pending: dict[str, tuple[tuple[int, ...], tuple[tuple[int, ...] | None, ...]]] = {}
     order: list[str] = []
     handles = []
+    inner: dict[str, Any] = {}
+    for name, module in model.named_modules():
+        if any(_holds_linear(c) for c in module.children()):
+
+            def record(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
+                if name not in inner:
+                    inner[name] = pytree.tree_map(_call_spec, (args, kwargs))
+
+            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
     for fqn in layers:
         module = model.get_submodule(fqn)
 
@@ -153,6 +178,9 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     finally:
         for h in handles:
             h.remove()
+    for fqn in calls:
+        mine = {k: v for k, v in inner.items() if k.startswith(fqn + ".")}
+        calls[fqn] = replace(calls[fqn], inner=mine)
     missing = [f for f in layers if f not in calls]
     if missing:
         raise PlanFileError(f"plan.json: stages list layer(s) the forward never calls: {', '.join(missing[:3])}")

@@ -45,6 +45,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -148,16 +149,19 @@ def apply_tensor_parallel(
     sequence_start: str | None = None,
     num_heads: int | None = None,
     layers: Collection[str] = (),
+    calls: dict[str, Any] | None = None,
 ) -> bool:
     """Parallelize the modules of `model` (one stage's copy) in place; returns whether a vocabulary-parallel head
     is present (then the loss must run under loss_parallel()). `num_heads` (plan.model.num_heads), when given, is
     checked against the heads the attention calls see; `layers`: the plan's layer FQNs (a replicated linear that
-    is one, an output head, computes the whole sequence under sequence parallelism, style_for)."""
+    is one, an output head, computes the whole sequence under sequence parallelism, style_for); `calls`: FQN -> the
+    recorded (args, kwargs) of the modules that may be regions (model_build.LayerCall.inner), so that the region
+    check calls each as the model does (Hugging Face attention takes position embeddings and a mask by keyword)."""
     names = [n for n, _ in model.named_modules() if n]
     concrete = expand_tp_map(tp_map, names)
     concrete = {n: s for n, s in concrete.items() if not isinstance(model.get_submodule(n), _FOREIGN)}
     tp = mesh.size()
-    regions = find_regions(model, concrete, tp, num_heads)
+    regions = find_regions(model, concrete, tp, num_heads, calls)
     in_region = {lin: r for r in regions for lin in (*r.colwise, *r.rowwise)}
     ties = _ties(model)
     plan: dict[str, ParallelStyle] = {}
@@ -213,6 +217,14 @@ class Region:
                 model.get_submodule(fqn).register_forward_pre_hook(state.swap, prepend=True)
 
 
+def _input_keyword(kwargs: dict) -> str | None:
+    """The keyword a module called with keywords only takes its input by: `hidden_states` (Hugging Face), else the
+    first floating-point tensor."""
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return "hidden_states"
+    return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
 class _RegionInput:
     """Per-region forward state: the prepared input, and the narrow view handed to the module in proxy mode."""
 
@@ -223,7 +235,8 @@ class _RegionInput:
         self.seq_len: int | None = None  # the region input's global sequence length (for dropout shards)
 
     def prepare(self, _m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        x = args[0] if args else None
+        key = None if args else _input_keyword(kwargs)
+        x = args[0] if args else kwargs.get(key) if key is not None else None
         if not isinstance(x, torch.Tensor):
             raise PlanFileError("tensor parallelism: an attention / MLP module must take its input as a tensor")
         kind = x.device.type
@@ -234,11 +247,12 @@ class _RegionInput:
         if tuple(x.placements) != (Replicate(),):
             x = x.redistribute(self.mesh, [Replicate()])
         self.seq_len = x.shape[SEQ_DIM] if x.dim() > SEQ_DIM else None
-        if self.proxy_width is None:
-            return (x, *args[1:]), kwargs
-        self.full = x
-        self.proxy = x.to_local().detach().narrow(-1, 0, self.proxy_width)
-        return (self.proxy, *args[1:]), kwargs
+        if self.proxy_width is not None:
+            self.full = x
+            x = self.proxy = x.to_local().detach().narrow(-1, 0, self.proxy_width)
+        if key is not None:
+            return args, {**kwargs, key: x}
+        return (x, *args[1:]), kwargs
 
     def swap(self, _m: nn.Module, inputs: tuple) -> tuple | None:
         if inputs and self.proxy is not None and inputs[0] is self.proxy:
@@ -249,7 +263,9 @@ class _RegionInput:
         self.full = self.proxy = None
 
 
-def find_regions(model: nn.Module, concrete: dict[str, str], tp: int, num_heads: int | None) -> list[Region]:
+def find_regions(
+    model: nn.Module, concrete: dict[str, str], tp: int, num_heads: int | None, calls: dict[str, Any] | None = None
+) -> list[Region]:
     """The regions of the model with their per-rank settings; settings are shared by modules of one shape."""
     by_parent: dict[str, tuple[list[str], list[str]]] = {}
     for name, style in concrete.items():
@@ -265,7 +281,8 @@ def find_regions(model: nn.Module, concrete: dict[str, str], tp: int, num_heads:
         key = (type(module), _int_attrs(module), tuple(features(model.get_submodule(n)) for n in col + row))
         if key not in cache:
             rel = len(parent) + 1
-            cache[key] = settle_region(module, parent, [n[rel:] for n in col], [n[rel:] for n in row], tp)
+            call = (calls or {}).get(parent)
+            cache[key] = settle_region(module, parent, [n[rel:] for n in col], [n[rel:] for n in row], tp, call)
         found = cache[key]
         if found is None:
             continue
@@ -380,14 +397,33 @@ class _Run:
     x: torch.Tensor | None = None
 
 
-def _run(module: nn.Module, col: list[str], row: list[str], tp: int, width: int, proxy_width: int | None) -> _Run:
-    """One fake forward of `module` with linears stubbed: per-rank output widths when tp > 1."""
+def _run(
+    module: nn.Module,
+    col: list[str],
+    row: list[str],
+    tp: int,
+    width: int,
+    proxy_width: int | None,
+    call: Any = None,
+) -> _Run:
+    """One fake forward of `module` with linears stubbed: per-rank output widths when tp > 1. `call`: the recorded
+    (args, kwargs) to call it with (its input of width `width` replaced by the check's), else the input alone."""
     mods = [module.get_submodule(n) for n in col + row]
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     inputs: dict[str, list[torch.Tensor]] = {}
     with _fake_mode(), torch.no_grad():
-        x = torch.empty(1, CHECK_SEQ, width, device=device)
-        arg = x if proxy_width is None else torch.empty(1, CHECK_SEQ, proxy_width, device=device)
+        leaves, tree, hidden = _recorded_call(call, width)
+        shape = (1, CHECK_SEQ) if hidden is None else tuple(leaves[hidden].shape[:-1])
+        x = torch.empty(*shape, width, device=device)
+        arg = x if proxy_width is None else torch.empty(*shape, proxy_width, device=device)
+        call_args: tuple = (arg,)
+        call_kwargs: dict[str, Any] = {}
+        if hidden is not None:
+            made = [
+                arg if i == hidden else torch.empty(v.shape, dtype=v.dtype, device=device) if _is_spec(v) else v
+                for i, v in enumerate(leaves)
+            ]
+            call_args, call_kwargs = pytree.tree_unflatten(made, tree)
         recorder = _Recorder(arg if proxy_width is not None else None)
         for n, m in zip(col, mods):
             _stub(m, n, features(m)[1] // tp, inputs, recorder)
@@ -395,7 +431,7 @@ def _run(module: nn.Module, col: list[str], row: list[str], tp: int, width: int,
             _stub(m, n, features(m)[1], inputs, None)
         try:
             with recorder:
-                out = module(arg)
+                out = module(*call_args, **call_kwargs)
         except Exception:  # any failure of the user's code under this setting rules the setting out
             return _Run(False, inputs, recorder)
         finally:
@@ -406,11 +442,31 @@ def _run(module: nn.Module, col: list[str], row: list[str], tp: int, width: int,
     return _Run(True, inputs, recorder, tuple(out.shape), arg)
 
 
-def settle_region(module: nn.Module, fqn: str, col: list[str], row: list[str], tp: int) -> Region | None:
+def _is_spec(x: Any) -> bool:
+    from mlm.runtime.model_build import TensorSpec
+
+    return isinstance(x, TensorSpec)
+
+
+def _recorded_call(call: Any, width: int) -> tuple[list[Any], Any, int | None]:
+    """The recorded call's leaves, its tree, and which leaf is the region's input (the first floating tensor of
+    at least 2 dimensions whose last is `width`); no recorded input: ([], None, None)."""
+    if call is None:
+        return [], None, None
+    leaves, tree = pytree.tree_flatten(call)
+    for i, v in enumerate(leaves):
+        if _is_spec(v) and v.dtype.is_floating_point and len(v.shape) >= 2 and v.shape[-1] == width:
+            return leaves, tree, i
+    return [], None, None
+
+
+def settle_region(
+    module: nn.Module, fqn: str, col: list[str], row: list[str], tp: int, call: Any = None
+) -> Region | None:
     """The per-rank setting of one region (attributes relative to `module`), None when it is no region (its
     colwise linears do not all read its input). Raises a one-line error when no setting runs per head."""
     width = features(module.get_submodule(col[0]))[0]
-    ref = _run(module, col, row, 1, width, None)
+    ref = _run(module, col, row, 1, width, None, call)
     if not ref.ok or any(not all(t is ref.x for t in ref.inputs.get(n, [])) or n not in ref.inputs for n in col):
         return None
     heads = tuple(s[-3] for s in ref.recorder.attention)
@@ -442,7 +498,7 @@ def settle_region(module: nn.Module, fqn: str, col: list[str], row: list[str], t
                 try:
                     for a, v in attrs.items():
                         setattr(module, a, v)
-                    run = _run(module, col, row, tp, width, proxy)
+                    run = _run(module, col, row, tp, width, proxy, call)
                 finally:
                     for a in subset:
                         setattr(module, a, original[a])
@@ -489,7 +545,8 @@ def _dropout_shards(ref: _Run, run: _Run, tp: int) -> tuple[DropoutShard, ...]:
         if len(full) == len(local) and len(diff) == 1 and local[diff[0]] * tp == full[diff[0]]:
             out.append(DropoutShard(dim=diff[0]))
         else:
-            out.append(DropoutShard(seq_dims=tuple(i for i, d in enumerate(full) if d == CHECK_SEQ)))
+            seq = ref.x.shape[SEQ_DIM] if ref.x is not None and ref.x.dim() > SEQ_DIM else CHECK_SEQ
+            out.append(DropoutShard(seq_dims=tuple(i for i, d in enumerate(full) if d == seq)))
     return tuple(out)
 
 

@@ -235,6 +235,7 @@ def _build_runtime(
                 lay.sequence_parallel,
                 seq_start,
                 layers=plan_layers(plan),
+                calls={k: v for c in calls.values() for k, v in c.inner.items()},
             )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:

@@ -5,7 +5,8 @@ Llama preset (its rotary angles computed inside the attention from the input's l
 the rank's real ones), tiny Hugging Face Llama and Qwen3 (rotary cos/sin and position ids computed in the root and
 passed to every layer; Qwen3's per-head q/k norms) and Qwen3-MoE with ep2 carved out of the cp ranks (attention
 dropout 0.1). Layouts: cp2 (zero 0 / 1 / 3, selective recompute), cp4, cp2·dp2, cp2·pp2 (the phantom shapes of
-the other stage's layers are the local ones) and cp2·tp2 with sequence parallelism. The reference is one process
+the other stage's layers are the local ones) and cp2·tp2 with sequence parallelism (the GPT preset, and HF Llama,
+whose attention takes its input, position embeddings and mask by keyword). The reference is one process
 on the same global batch of 4 sequences in micro-batches of 1, so dropout masks (runtime/data.py) and token means
 are defined the same way; the context-parallel ranks draw one device's masks of the whole sequence and keep their
 positions (runtime/context_parallel.py). Losses and SGD parameters within 1e-5, AdamW parameters within 2% of each
@@ -60,6 +61,7 @@ FOUR = [
     ("gpt", "sgd", ["--gpus", "4", "--cp", "2", "--pp", "2", "--zero", "0"]),
     ("gpt", "sgd", ["--gpus", "4", "--cp", "4", "--zero", "0"]),
     ("gpt-nodrop", "sgd", ["--gpus", "4", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "0"]),
+    ("hf-llama", "adamw", ["--gpus", "4", "--cp", "2", "--tp", "2", "--sequence-parallel", "--zero", "0"]),
 ]
 
 

@@ -137,15 +137,17 @@ def test_context_parallel_matches_one_process(plans: dict[str, Path]) -> None:
             assert_params_match(params, refs[model, opt][1], initial[model], opt, what)
 
 
-def test_mlm_run_runs_a_cp_plan_from_the_command_line(plans: dict[str, Path], tmp_path: Path) -> None:
+def test_mlm_run_runs_a_cp_and_ep_plan_from_the_command_line(plans: dict[str, Path], tmp_path: Path) -> None:
+    """Qwen3-MoE at cp2 with ep2 (the experts split over the two cp ranks) through torchrun."""
     log = tmp_path / "log.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "mlm.cli.run", str(plans["case3"]), "--steps", "2", "--simulate-locally"]
+    assert TWO[5][0] == "qwen3-moe"
+    cmd = [sys.executable, "-m", "mlm.cli.run", str(plans["case5"]), "--steps", "2", "--simulate-locally"]
     proc = subprocess.run(
         [*cmd, "--device", "cpu", "--log", str(log)], capture_output=True, text=True, timeout=300, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "cp2" in proc.stdout + proc.stderr
+    assert "cp2" in proc.stdout + proc.stderr and "ep2" in proc.stdout + proc.stderr
     assert len(log.read_text().splitlines()) == 2
 
 

@@ -14,6 +14,11 @@ Bounds (each at line rate or peak, no efficiency factor):
   dp comm    the gradient all-reduce, reduce-scatter + all-gather, or ZeRO-3's per-micro-batch gathers (forward
              and backward; a recomputed forward runs on the backward's) and the reduce-scatter, with the same
              per-GPU and per-node bounds, on the group the dp ranks form.
+  cp comm    context parallelism: every attention layer's K/V (all cp ranks' chunks, 1/tp of it per GPU) is
+             all-gathered forward (again in recompute_s for a fully recomputed forward) and its gradient
+             reduce-scattered backward: each GPU receives (cp−1)/cp of it per pass over NVLink and its NIC.
+             With cp every token-proportional bound above is ÷cp (a lower bound even for the embeddings, which
+             run whole) and the dp group is the dp·cp ranks.
   optimizer  Adam reads at least the fp32 master weights and both moments (12 bytes per local parameter, sharded
              under ZeRO) from HBM at its datasheet bandwidth.
 With Megatron 2021 semantics (nothing overlaps) every exposed term is at least its bound; with mlm-run's overlap the
@@ -115,22 +120,26 @@ def bounds(
     program that runs (for_tp: a tp that does not divide the vocabulary leaves embedding, head and loss replicated)."""
     inputs = for_tp(inputs, lo.tp)
     m, mb, tp, last = lo.num_microbatches, lo.micro_batch, lo.tp, lo.pp * lo.vpp - 1
+    cp, dp = lo.cp, lo.dp * lo.cp
     peak = gpu.bf16_tflops * 1e12
     gpn = cluster.gpus_per_node
     b = ev.bottleneck_rank
-    flops = tp_bytes = 0.0
+    flops = tp_bytes = kv_passes = 0.0
     for s in _rank_stages(ev, b):
         for layer, n, r in _stage_layers(inputs, s, last):
             matmul = layer.model_flops - layer.attn_flops
             flops += n * (3 * matmul + 1.5 * layer.attn_flops)
             tp_bytes += n * (layer.tp_fwd_bytes + layer.tp_bwd_bytes + layer.tp_fixed_bytes)
+            kv_passes += 2 * n * layer.kv_bytes  # (a recomputed forward's all-gather is part of recompute_s)
             if lo.recompute == "full":  # (the recomputed forward's collectives are costed in recompute_s)
                 flops += r * (matmul + 0.5 * layer.attn_flops)
-    compute = m * mb * flops / tp / peak
-    tp_comm = m * _send_bound(mb * tp_bytes, tp, gpn, cluster, 2.0)
+    compute = m * mb * flops / tp / cp / peak
+    tp_comm = m * _send_bound(mb * tp_bytes / cp, tp, gpn, cluster, 2.0)
+    members = max(1, gpn // tp) if tp <= gpn else 1  # cp ranks (tp apart) per node
+    cp_comm = m * _send_bound(mb * kv_passes / tp, cp, members, cluster, 1.0) if cp > 1 else 0.0
     sends = sum((s.index != last) + (s.index != 0) for s in _rank_stages(ev, b))
-    p2p_rate = (cluster.inter_node_gbps if tp * lo.dp >= gpn else cluster.intra_node_gbps) * 1e9
-    pp_comm = m * sends * mb * inputs.block.output_bytes / tp / p2p_rate
+    p2p_rate = (cluster.inter_node_gbps if tp * dp >= gpn else cluster.intra_node_gbps) * 1e9
+    pp_comm = m * sends * mb * inputs.block.output_bytes / tp / cp / p2p_rate
     dp_comm = opt = 0.0
     for r in range(lo.pp):
         params = sum(
@@ -138,21 +147,28 @@ def bounds(
             for s in _rank_stages(ev, r)
             for layer, n, _ in _stage_layers(inputs, s, last)
         )
-        opt = max(opt, 12.0 * params / (lo.dp if lo.zero >= 1 else 1) / (gpu.hbm_gbps * 1e9))
+        opt = max(opt, 12.0 * params / (dp if lo.zero >= 1 else 1) / (gpu.hbm_gbps * 1e9))
         k = max(1, gpn // tp) if tp <= gpn else 1
         g, p = options.grad_reduce_bytes * params, 2.0 * params
         if lo.zero == 0:
-            t = _send_bound(g, lo.dp, k, cluster, 2.0)
+            t = _send_bound(g, dp, k, cluster, 2.0)
         elif lo.zero == 1 or lo.pp > 1:
             # FSDP2 without resharding after forward: gathers per micro-batch (once per step under pipelining)
             gathers = 1 if lo.pp > 1 else m
-            t = _send_bound(g, lo.dp, k, cluster, 1.0) + gathers * _send_bound(p, lo.dp, k, cluster, 1.0)
+            t = _send_bound(g, dp, k, cluster, 1.0) + gathers * _send_bound(p, dp, k, cluster, 1.0)
         else:
             gathers = 2  # forward and backward; a fully recomputed forward runs on the backward's gather (FSDP2)
             reduces = m if options.zero3_reduce_every_microbatch else 1
-            t = m * gathers * _send_bound(p, lo.dp, k, cluster, 1.0) + reduces * _send_bound(g, lo.dp, k, cluster, 1.0)
+            t = m * gathers * _send_bound(p, dp, k, cluster, 1.0) + reduces * _send_bound(g, dp, k, cluster, 1.0)
         dp_comm = max(dp_comm, t)
-    return {"compute": compute, "tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm, "optimizer": opt}
+    return {
+        "compute": compute,
+        "tp_comm": tp_comm,
+        "pp_comm": pp_comm,
+        "cp_comm": cp_comm,
+        "dp_comm": dp_comm,
+        "optimizer": opt,
+    }
 
 
 # ---- the property ------------------------------------------------------------------------------------------------
@@ -170,6 +186,7 @@ def cases(draw):
         tp=tp,
         pp=pp,
         dp=draw(st.sampled_from([1, 2, 4, 16, 64, 256])),
+        cp=draw(st.sampled_from([1, 1, 2, 4, 8])),
         micro_batch=draw(st.sampled_from([1, 2, 4])),
         num_microbatches=draw(st.sampled_from([1, 2, 8, 16])),
         vpp=vpp,
@@ -192,6 +209,7 @@ def test_every_term_and_the_step_at_least_its_physical_bound(case):
     assert bd["compute_s"] + bd["recompute_s"] >= lb["compute"] * REL
     assert bd["tp_comm_s"] >= lb["tp_comm"] * REL
     assert bd["pp_comm_s"] >= lb["pp_comm"] * REL
+    assert bd.get("cp_comm_s", 0.0) >= lb["cp_comm"] * REL
     assert bd["optimizer_s"] >= lb["optimizer"] * REL
     if options.dp_overlap == 0:
         assert bd["dp_comm_s"] >= lb["dp_comm"] * REL

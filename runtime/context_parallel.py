@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from mlm.planner.errors import Infeasible
+from mlm.runtime.tensor_parallel import is_fake
 
 SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -275,7 +276,7 @@ class _ContextMode(TorchFunctionMode):
         for i, chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
             end = (chunk + 1) * size
             q_i = q.narrow(-2, i * size, size)
-            if _fake(q):  # fake tensors (the dry run) cannot wrap a CausalBias: the same mask, written out
+            if is_fake(q):  # fake tensors (the dry run) cannot wrap a CausalBias: the same mask, written out
                 mask = torch.ones(size, end, dtype=torch.bool, device=q.device).tril(end - size)
             else:
                 mask = causal_lower_right(size, end)
@@ -330,9 +331,3 @@ class _ContextMode(TorchFunctionMode):
                 f"parallelism, which replaces F.scaled_dot_product_attention; write attention with SDPA "
                 f"(Hugging Face: attn_implementation='sdpa') or plan with --cp 1"
             )
-
-
-def _fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)

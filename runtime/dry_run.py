@@ -575,22 +575,14 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
     lay = plan.layout
     seq = plan.training.seq_len
     if lay.cp > 1:  # a cp rank sends (and receives) its part of the sequence (runtime/context_parallel.py)
-        found = {s: [_context_shard(t, seq, lay.cp) for t in specs] for s, specs in found.items()}
+        from mlm.runtime.context_parallel import ContextParallel
+
+        cp = ContextParallel(rank=0, size=lay.cp, group=None, seq_len=seq)
+        found = {s: [TensorSpec(cp.local_shape(t.shape), t.dtype) for t in specs] for s, specs in found.items()}
         seq //= lay.cp
     if lay.sequence_parallel and lay.tp > 1:  # a tp rank sends (and receives) its sequence shard
         found = {s: [_sequence_shard(t, seq, lay.tp) for t in specs] for s, specs in found.items()}
     return found
-
-
-def _context_shard(spec: TensorSpec, seq_len: int, cp: int) -> TensorSpec:
-    from mlm.runtime.context_parallel import seq_dim
-
-    dim = seq_dim(spec.shape, seq_len)
-    if dim is None:
-        return spec
-    shape = list(spec.shape)
-    shape[dim] = seq_len // cp
-    return TensorSpec(tuple(shape), spec.dtype)
 
 
 def _sequence_shard(spec: TensorSpec, seq_len: int, tp: int) -> TensorSpec:

@@ -592,7 +592,7 @@ class _RegionDropout(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             q = args[0]
-            if p > 0 and isinstance(q, torch.Tensor) and not isinstance(q, DTensor) and not _fake(q):
+            if p > 0 and isinstance(q, torch.Tensor) and not isinstance(q, DTensor) and not is_fake(q):
                 return self._sdpa(func, args, kwargs, p)
         return func(*args, **kwargs)
 
@@ -602,7 +602,7 @@ class _RegionDropout(TorchFunctionMode):
         x, p, training = bound["input"], bound.get("p", 0.5), bound.get("training", True)
         k = self.calls
         self.calls += 1
-        if not training or p == 0 or isinstance(x, DTensor) or _fake(x) or k >= len(self.shards):
+        if not training or p == 0 or isinstance(x, DTensor) or is_fake(x) or k >= len(self.shards):
             return func(*args, **kwargs)
         dim = self._sharded_dim(self.shards[k], x)
         if dim is None:
@@ -665,7 +665,7 @@ class _RegionDropout(TorchFunctionMode):
             yield
 
 
-def _fake(t: torch.Tensor) -> bool:
+def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)

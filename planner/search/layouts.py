@@ -789,13 +789,21 @@ def _micro_batches(request: PlanRequest, dp: int) -> list[int]:
 
 
 def _least_memory_layout(request: PlanRequest, group: Group, ir: ModelIR) -> Layout | None:
-    tp, pp, dp, cp, ep, zero = group
+    tp, dp = group[0], group[2]
     mbs = _micro_batches(request, dp)
     if not mbs:
         return None
-    mb = mbs[0]
     sp = request.sequence_parallel if request.sequence_parallel is not None else tp > 1
-    layout = Layout(
+    layout = _group_layout(request, group, mbs[0], 1, sp and tp > 1, request.recompute or "full")
+    if layout_problem(ir, layout, request.global_batch):
+        return None
+    return layout
+
+
+def _group_layout(request: PlanRequest, group: Group, mb: int, vpp: int, sp: bool, recompute: str) -> Layout:
+    """The layout of a mesh group with this micro-batch, vpp, sequence parallelism and recompute."""
+    tp, pp, dp, cp, ep, zero = group
+    return Layout(
         tp=tp,
         pp=pp,
         dp=dp,
@@ -803,14 +811,11 @@ def _least_memory_layout(request: PlanRequest, group: Group, ir: ModelIR) -> Lay
         ep=ep,
         micro_batch=mb,
         num_microbatches=request.global_batch // (dp * mb),
-        vpp=1,
-        sequence_parallel=sp and tp > 1,
-        recompute=request.recompute or "full",
+        vpp=vpp,
+        sequence_parallel=sp,
+        recompute=recompute,  # type: ignore[arg-type]
         zero=zero,
     )
-    if layout_problem(ir, layout, request.global_batch):
-        return None
-    return layout
 
 
 def _vpp_options(ir: ModelIR, request: PlanRequest, pp: int) -> list[int]:
@@ -825,31 +830,18 @@ def _vpp_options(ir: ModelIR, request: PlanRequest, pp: int) -> list[int]:
 def _variants(ir: ModelIR, request: PlanRequest, group: Group) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
     """For each micro-batch (increasing), vpp and sp: the key (vpp, sp) and the runnable layouts in increasing
     recompute order."""
-    tp, pp, dp, cp, ep, zero = group
+    tp, pp, dp = group[:3]
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
     sps = (
         [request.sequence_parallel] if request.sequence_parallel is not None else ([False, True] if tp > 1 else [False])
     )
     vpps = _vpp_options(ir, request, pp)
     for mb in _micro_batches(request, dp):
-        m = request.global_batch // (dp * mb)
         for vpp in vpps:
             for sp in sps:
                 levels = []
                 for rc in recomputes:
-                    layout = Layout(
-                        tp=tp,
-                        pp=pp,
-                        dp=dp,
-                        cp=cp,
-                        ep=ep,
-                        micro_batch=mb,
-                        num_microbatches=m,
-                        vpp=vpp,
-                        sequence_parallel=bool(sp),
-                        recompute=rc,
-                        zero=zero,
-                    )  # type: ignore[arg-type]
+                    layout = _group_layout(request, group, mb, vpp, bool(sp), rc)
                     if layout_problem(ir, layout, request.global_batch) is None:
                         levels.append(layout)
                 if levels:
@@ -871,21 +863,10 @@ def _batch_message(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -
 def _pinned_problems(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[str]:
     """Why the layouts the pins leave cannot run (layout_problem's distinct reasons, in search order)."""
     out: list[str] = []
-    for tp, pp, dp, cp, ep, zero in _groups(ir, request, cluster):
-        for mb in _micro_batches(request, dp)[:1]:
-            layout = Layout(
-                tp=tp,
-                pp=pp,
-                dp=dp,
-                cp=cp,
-                ep=ep,
-                micro_batch=mb,
-                num_microbatches=request.global_batch // (dp * mb),
-                vpp=request.vpp or 1,
-                sequence_parallel=bool(request.sequence_parallel) and tp > 1,
-                recompute=request.recompute or "none",
-                zero=zero,
-            )
+    for group in _groups(ir, request, cluster):
+        for mb in _micro_batches(request, group[2])[:1]:
+            sp = bool(request.sequence_parallel) and group[0] > 1
+            layout = _group_layout(request, group, mb, request.vpp or 1, sp, request.recompute or "none")
             problem = layout_problem(ir, layout, request.global_batch)
             if problem and problem not in out:
                 out.append(problem)

@@ -18,17 +18,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from conftest import MODELS
-from test_runtime_harness import GPT_FILE, LLAMA_FILE, PARITY_ATOL, assert_params_match, run_workers
+from test_runtime_harness import (
+    GPT_FILE,
+    LLAMA_FILE,
+    PARITY_ATOL,
+    assert_params_match,
+    merged,
+    run_workers,
+    train_runs,
+    write_plan,
+)
 
 from mlm.planner.errors import Infeasible
 from mlm.planner.plan import load_plan
 from mlm.runtime.context_parallel import ContextParallel, local_positions, seq_dim
-from mlm.runtime.train import RunOptions, full_parameters, train
+from mlm.runtime.train import RunOptions, train
 
 STEPS = 5
 SEQ = 32
@@ -66,11 +74,7 @@ FOUR = [
 
 
 def _mlm_plan(tmp: Path, name: str, model: str, pins: list[str]) -> Path:
-    """mlm-plan's command line, run in this process (16 plans: a subprocess each cost ~20 s of imports)."""
-    from mlm.cli.plan import main
-
     path, entry, args = MODELS_FILE[model]
-    out = tmp / f"{name}.json"
     cmd = [str(path), "--entry", entry]
     for a in args:
         cmd += ["--model-arg", a]
@@ -81,30 +85,11 @@ def _mlm_plan(tmp: Path, name: str, model: str, pins: list[str]) -> Path:
     if "--dp" not in pins and "--gpus" in pins:
         model_parallel = _pin(pins, "--cp") * _pin(pins, "--tp") * _pin(pins, "--pp")
         cmd += ["--dp", str(_pin(pins, "--gpus") // model_parallel)]
-    cmd += [*pins, "--out", str(out)]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLM_CACHE_DIR", str(tmp / "cache"))
-        assert main(cmd) == 0, cmd
-    return out
+    return write_plan(tmp, name, [*cmd, *pins])
 
 
 def _pin(pins: list[str], flag: str) -> int:
     return int(pins[pins.index(flag) + 1]) if flag in pins else 1
-
-
-def _train_all(rank: int, runs: list[tuple[str, RunOptions]]) -> list[tuple[list[float], dict[str, Any]]]:
-    out = []
-    for path, opts in runs:
-        rt = train(load_plan(path), opts)
-        out.append(([r.loss for r in rt.records], full_parameters(rt)))
-    return out
-
-
-def _merged(per_rank: list[list[Any]], i: int) -> tuple[list[float], dict[str, Any]]:
-    params: dict[str, Any] = {}
-    for result in per_rank:
-        params.update(result[i][1])
-    return per_rank[0][i][0], params
 
 
 @pytest.fixture(scope="module")
@@ -124,16 +109,16 @@ def test_context_parallel_matches_one_process(plans: dict[str, Path]) -> None:
     models = sorted({m for m, _ in keys})
     still = RunOptions(steps=1, optimizer="sgd", lr=0.0, seed=0, device="cpu")
     ref_runs = [(str(plans[f"one-{m}"]), opts[o]) for m, o in keys] + [(str(plans[f"one-{m}"]), still) for m in models]
-    ref = run_workers(1, _train_all, ref_runs)
-    refs = {key: _merged(ref, i) for i, key in enumerate(keys)}
-    initial = {m: _merged(ref, len(keys) + j)[1] for j, m in enumerate(models)}
+    ref = run_workers(1, train_runs, ref_runs)
+    refs = {key: merged(ref, i) for i, key in enumerate(keys)}
+    initial = {m: merged(ref, len(keys) + j)[1] for j, m in enumerate(models)}
     for world, group, offset in ((2, TWO, 0), (4, FOUR, len(TWO))):
         runs = [(str(plans[f"case{offset + i}"]), opts[o]) for i, (_m, o, _p) in enumerate(group)]
-        result = run_workers(world, _train_all, runs, timeout=400)
+        result = run_workers(world, train_runs, runs, timeout=400)
         for i, (model, opt, pins) in enumerate(group):
             plan = load_plan(plans[f"case{offset + i}"])
             assert plan.layout.cp == _pin(pins, "--cp") and "cp" in plan.pinned, plan.layout
-            losses, params = _merged(result, i)
+            losses, params = merged(result, i)
             what = f"{model} {plan.layout.describe()} {opt}"
             assert len(losses) == STEPS, what
             assert losses == pytest.approx(refs[model, opt][0], abs=PARITY_ATOL), what

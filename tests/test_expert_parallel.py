@@ -18,14 +18,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import MODELS
-from test_runtime_harness import PARITY_ATOL, assert_params_match, run_workers
+from test_runtime_harness import PARITY_ATOL, assert_params_match, merged, run_workers, train_runs, write_plan
 
 from mlm.planner.plan import load_plan
-from mlm.runtime.train import RunOptions, full_parameters, train
+from mlm.runtime.train import RunOptions
 
 STEPS = 5
 SGD = RunOptions(steps=STEPS, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5, device="cpu")
@@ -55,37 +54,14 @@ FOUR = [
 
 
 def _mlm_plan(tmp: Path, name: str, model: str, pins: list[str]) -> Path:
-    """mlm-plan's command line, run in this process (a subprocess per plan cost ~1.5 s of imports each)."""
-    from mlm.cli.plan import main
-
     path, entry, args = MODELS_FILE[model]
-    out = tmp / f"{name}.json"
     cmd = [str(path), "--entry", entry]
     for a in args:
         cmd += ["--model-arg", a]
     cmd += ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--tp", "1", "--recompute", "none"]
-    cmd += [*pins, "--out", str(out)]
     if "--pp" not in pins:
         cmd += ["--pp", "1"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLM_CACHE_DIR", str(tmp / "cache"))
-        assert main(cmd) == 0, cmd
-    return out
-
-
-def _train_all(rank: int, runs: list[tuple[str, RunOptions]]) -> list[tuple[list[float], dict[str, Any]]]:
-    out = []
-    for path, opts in runs:
-        rt = train(load_plan(path), opts)
-        out.append(([r.loss for r in rt.records], full_parameters(rt)))
-    return out
-
-
-def _merged(per_rank: list[list[Any]], i: int) -> tuple[list[float], dict[str, Any]]:
-    params: dict[str, Any] = {}
-    for result in per_rank:
-        params.update(result[i][1])
-    return per_rank[0][i][0], params
+    return write_plan(tmp, name, [*cmd, *pins])
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +92,16 @@ def test_expert_parallel_matches_one_process(plans: dict[str, Path]) -> None:
     ref_runs = [(str(plans[f"one-{m}"]), opts[o]) for m, o in keys] + [
         (str(plans[f"one-{m}"]), still) for m in MODELS_FILE
     ]
-    ref = run_workers(1, _train_all, ref_runs)
-    refs = {key: _merged(ref, i) for i, key in enumerate(keys)}
-    initial = {m: _merged(ref, len(keys) + j)[1] for j, m in enumerate(MODELS_FILE)}
+    ref = run_workers(1, train_runs, ref_runs)
+    refs = {key: merged(ref, i) for i, key in enumerate(keys)}
+    initial = {m: merged(ref, len(keys) + j)[1] for j, m in enumerate(MODELS_FILE)}
     for world, group, offset in ((2, TWO, 0), (4, FOUR, len(TWO))):
         runs = [(str(plans[f"case{offset + i}"]), opts[o]) for i, (_m, o, _p) in enumerate(group)]
-        result = run_workers(world, _train_all, runs, timeout=400)
+        result = run_workers(world, train_runs, runs, timeout=400)
         for i, (model, opt, _pins) in enumerate(group):
             plan = load_plan(plans[f"case{offset + i}"])
             assert plan.layout.ep == 2 and "ep" in plan.pinned, plan.layout
-            _compare(_merged(result, i), refs[model, opt], initial[model], opt, f"{model} {plan.layout} {opt}")
+            _compare(merged(result, i), refs[model, opt], initial[model], opt, f"{model} {plan.layout} {opt}")
 
 
 def test_a_sparse_hand_written_moe_captures_with_its_data_dependent_sizes_named() -> None:

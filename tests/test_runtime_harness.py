@@ -159,6 +159,44 @@ def make_plan(
     )
 
 
+TrainResult = tuple[list[float], dict[str, torch.Tensor]]  # one run's losses and full parameters
+
+
+def train_runs(_rank: int, runs: list[tuple[Plan | str | Path, Any]]) -> list[TrainResult]:
+    """run_workers' fn: train each (plan, or a plan.json path; RunOptions) in turn on this rank and return its
+    losses and the full parameters this rank holds."""
+    from mlm.planner.plan import load_plan
+    from mlm.runtime.train import full_parameters, train
+
+    out = []
+    for plan, opts in runs:
+        rt = train(plan if isinstance(plan, Plan) else load_plan(plan), opts)
+        out.append(([r.loss for r in rt.records], full_parameters(rt)))
+    return out
+
+
+def merged(per_rank: list[list[TrainResult]], i: int) -> TrainResult:
+    """Run i of train_runs over all ranks: rank 0's losses, every rank's parameters."""
+    params: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        params.update(result[i][1])
+    return per_rank[0][i][0], params
+
+
+def write_plan(tmp: Path, name: str, argv: list[str]) -> Path:
+    """tmp/name.json written by mlm-plan's command line with `argv`, run in this process (a subprocess per plan
+    costs ~1.5 s of imports), capture cache under tmp."""
+    import pytest
+
+    from mlm.cli.plan import main
+
+    out = tmp / f"{name}.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLM_CACHE_DIR", str(tmp / "cache"))
+        assert main([*argv, "--out", str(out)]) == 0, argv
+    return out
+
+
 PARITY_ATOL = 1e-5  # losses and SGD parameters (fp32 sums in another order)
 ADAMW_RTOL = 0.02  # AdamW: of each tensor's movement in the one-process run, in norm (test_runtime_parity.py)
 

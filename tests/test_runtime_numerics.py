@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime_harness import GPT_ARGS, LLAMA_ARGS, make_plan, run_workers
+from test_runtime_harness import GPT_ARGS, LLAMA_ARGS, make_plan, merged, run_workers, train_runs
 
 from mlm.planner.capture.loader import load_model_spec
 from mlm.runtime.data import TokenSource
 from mlm.runtime.model_build import build_model
-from mlm.runtime.train import RunOptions, full_parameters, train
+from mlm.runtime.train import RunOptions
 
 ATOL = 1e-5
 STEPS = 5
@@ -63,21 +63,6 @@ def _llama(model_file: Path, **cfg: Any) -> Any:
     return make_plan("llama", model_file=model_file, args=LLAMA_ARGS, **cfg)
 
 
-def _train(rank: int, runs: list[tuple[Any, RunOptions]]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
-    out = []
-    for plan, opts in runs:
-        rt = train(plan, opts)
-        out.append(([r.loss for r in rt.records], full_parameters(rt)))
-    return out
-
-
-def _merged(per_rank: list[Any], i: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    params: dict[str, torch.Tensor] = {}
-    for result in per_rank:
-        params.update(result[i][1])
-    return per_rank[0][i][0], params
-
-
 def _compare(ref: Any, got: Any, what: str) -> None:
     ref_losses, ref_params = ref
     losses, params = got
@@ -94,7 +79,7 @@ def test_loss_is_the_global_token_mean(model_file: Path) -> None:
     and differs from the mean of the micro-batch means (the masking is uneven)."""
     plan = _plan(model_file, 0.0, dp=2, micro_batch=1, num_microbatches=2)
     opts = RunOptions(steps=1, optimizer="sgd", lr=0.5, seed=1)
-    (loss,), _ = _merged(run_workers(2, _train, [(plan, opts)]), 0)
+    (loss,), _ = merged(run_workers(2, train_runs, [(plan, opts)]), 0)
     spec = load_model_spec(str(model_file), "build_model", plan.model.args)
     model = build_model(spec, opts.seed)
     source = TokenSource(vocab=plan.model.vocab_size, seq_len=plan.training.seq_len, global_batch=4, seed=opts.seed)
@@ -113,8 +98,8 @@ def test_dp_and_pp_match_one_process_with_dropout(model_file: Path) -> None:
     pp2 x dp2 zero 0 (DDP inside the pipeline stages) draw one device's masks and train what it trains."""
     ref_plan = _plan(model_file, 0.1, micro_batch=1, num_microbatches=4)
     no_dropout = _plan(model_file, 0.0, micro_batch=1, num_microbatches=4)
-    refs = run_workers(1, _train, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (no_dropout, OPTS["sgd"])])
-    assert abs(_merged(refs, 0)[0][0] - _merged(refs, 2)[0][0]) > 1e-3  # dropout is on
+    refs = run_workers(1, train_runs, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (no_dropout, OPTS["sgd"])])
+    assert abs(merged(refs, 0)[0][0] - merged(refs, 2)[0][0]) > 1e-3  # dropout is on
     two = [
         _plan(model_file, 0.1, dp=2, micro_batch=1, num_microbatches=2),
         _plan(model_file, 0.1, dp=2, zero=3, micro_batch=1, num_microbatches=2),
@@ -122,10 +107,10 @@ def test_dp_and_pp_match_one_process_with_dropout(model_file: Path) -> None:
     ]
     four = _plan(model_file, 0.1, pp=2, dp=2, zero=0, micro_batch=1, num_microbatches=2)
     for world, plans in ((2, two), (4, [four])):
-        runs = run_workers(world, _train, [(p, OPTS[o]) for p in plans for o in ("sgd", "adamw")])
+        runs = run_workers(world, train_runs, [(p, OPTS[o]) for p in plans for o in ("sgd", "adamw")])
         for i, (plan, o) in enumerate((p, o) for p in plans for o in ("sgd", "adamw")):
-            ref = _merged(refs, 0 if o == "sgd" else 1)
-            _compare(ref, _merged(runs, i), f"{o} {plan.layout.describe()}")
+            ref = merged(refs, 0 if o == "sgd" else 1)
+            _compare(ref, merged(runs, i), f"{o} {plan.layout.describe()}")
 
 
 def test_tensor_parallel_dropout_draws_one_devices_masks(model_file: Path) -> None:
@@ -140,7 +125,7 @@ def test_tensor_parallel_dropout_draws_one_devices_masks(model_file: Path) -> No
         micro_batch=2,
         num_microbatches=2,
     )
-    refs = run_workers(1, _train, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (manual_ref, OPTS["sgd"])])
+    refs = run_workers(1, train_runs, [(ref_plan, OPTS["sgd"]), (ref_plan, OPTS["adamw"]), (manual_ref, OPTS["sgd"])])
     tp = _plan(model_file, 0.1, tp=2, micro_batch=2, num_microbatches=2)
     sp = _plan(model_file, 0.1, tp=2, sp=True, micro_batch=2, num_microbatches=2)
     manual = make_plan(
@@ -152,10 +137,10 @@ def test_tensor_parallel_dropout_draws_one_devices_masks(model_file: Path) -> No
         num_microbatches=2,
     )
     runs = [(tp, OPTS["sgd"]), (tp, OPTS["adamw"]), (sp, OPTS["adamw"]), (manual, OPTS["sgd"])]
-    got = run_workers(2, _train, runs)
+    got = run_workers(2, train_runs, runs)
     for i, ref_index in enumerate((0, 1, 1, 2)):
         _compare(
-            _merged(refs, ref_index), _merged(got, i), f"dropout {runs[i][1].optimizer} {runs[i][0].layout.describe()}"
+            merged(refs, ref_index), merged(got, i), f"dropout {runs[i][1].optimizer} {runs[i][0].layout.describe()}"
         )
 
 
@@ -164,9 +149,9 @@ def test_tensor_parallel_adamw_matches_one_process(model_file: Path, llama_file:
     parameters, masked loss, dropout off (dropout under tp: the test above)."""
     gpt_ref = _plan(model_file, 0.0, micro_batch=4, num_microbatches=1)
     llama_ref = _llama(llama_file, micro_batch=4, num_microbatches=1)
-    refs = run_workers(1, _train, [(gpt_ref, OPTS["adamw"]), (llama_ref, OPTS["adamw"])])
+    refs = run_workers(1, train_runs, [(gpt_ref, OPTS["adamw"]), (llama_ref, OPTS["adamw"])])
     gpt_tp = _plan(model_file, 0.0, tp=2, micro_batch=2, num_microbatches=2)
-    _compare(_merged(refs, 0), _merged(run_workers(2, _train, [(gpt_tp, OPTS["adamw"])]), 0), "gpt tp2 adamw")
+    _compare(merged(refs, 0), merged(run_workers(2, train_runs, [(gpt_tp, OPTS["adamw"])]), 0), "gpt tp2 adamw")
     llama = _llama(llama_file, tp=2, dp=2, zero=3, micro_batch=1, num_microbatches=2)
-    runs = run_workers(4, _train, [(llama, OPTS["adamw"])])
-    _compare(_merged(refs, 1), _merged(runs, 0), "adamw " + llama.layout.describe())
+    runs = run_workers(4, train_runs, [(llama, OPTS["adamw"])])
+    _compare(merged(refs, 1), merged(runs, 0), "adamw " + llama.layout.describe())

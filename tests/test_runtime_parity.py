@@ -35,12 +35,22 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime_harness import GPT_ARGS, GPT_FILE, HF_ARGS, PARITY_ATOL, assert_params_match, make_plan, run_workers
+from test_runtime_harness import (
+    GPT_ARGS,
+    GPT_FILE,
+    HF_ARGS,
+    PARITY_ATOL,
+    assert_params_match,
+    make_plan,
+    merged,
+    run_workers,
+    train_runs,
+)
 
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.training_step import TrainingModule
 from mlm.runtime.model_build import build_model
-from mlm.runtime.train import RunOptions, full_parameters, train
+from mlm.runtime.train import RunOptions
 
 STEPS = 5
 SGD = RunOptions(steps=STEPS, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
@@ -53,21 +63,6 @@ DROPOUT = {
     "hf": dict(HF_ARGS, resid_pdrop=0.1, embd_pdrop=0.1),
 }
 Result = tuple[list[float], dict[str, torch.Tensor]]
-
-
-def _train_all(rank: int, runs: list[tuple[Any, RunOptions]]) -> list[Result]:
-    out = []
-    for plan, opts in runs:
-        rt = train(plan, opts)
-        out.append(([r.loss for r in rt.records], full_parameters(rt)))
-    return out
-
-
-def _merged(per_rank: list[list[Result]], i: int) -> Result:
-    params: dict[str, torch.Tensor] = {}
-    for rank_result in per_rank:
-        params.update(rank_result[i][1])
-    return per_rank[0][i][0], params
 
 
 def _args(kind: str, dropout: bool) -> dict[str, Any] | None:
@@ -95,10 +90,10 @@ def references() -> dict[Any, Any]:
     opts = {o.optimizer: o for o in OPTS}
     still = RunOptions(steps=1, optimizer="sgd", lr=0.0, seed=0)
     runs = [(_plan(k, d), opts[o]) for k, d, o in keys] + [(_plan(k, False), still) for k in KINDS]
-    result = run_workers(1, _train_all, runs)
-    refs: dict[Any, Any] = {key: _merged(result, i) for i, key in enumerate(keys)}
+    result = run_workers(1, train_runs, runs)
+    refs: dict[Any, Any] = {key: merged(result, i) for i, key in enumerate(keys)}
     for i, k in enumerate(KINDS):
-        refs["initial", k] = _merged(result, len(keys) + i)[1]
+        refs["initial", k] = merged(result, len(keys) + i)[1]
     return refs
 
 
@@ -106,9 +101,9 @@ def _check(cases: list[tuple[str, str, dict[str, Any]]], world: int, references:
     """Run (model kind, optimizer, layout) cases in one group of `world` processes; compare with one process."""
     opts = {o.optimizer: o for o in OPTS}
     runs = [(_plan(kind, **cfg), opts[opt]) for kind, opt, cfg in cases]
-    result = run_workers(world, _train_all, runs)
+    result = run_workers(world, train_runs, runs)
     for i, (kind, opt, cfg) in enumerate(cases):
-        losses, params = _merged(result, i)
+        losses, params = merged(result, i)
         ref_losses, ref_params = references[_reference_key(kind, opt, cfg)]
         what = f"{kind} {cfg} {opt}"
         assert len(losses) == STEPS, what

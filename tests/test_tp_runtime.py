@@ -16,11 +16,23 @@ from typing import Any
 
 import pytest
 import torch
-from test_runtime_harness import GPT_ARGS, GPT_SP, GPT_TP, LLAMA_ARGS, LLAMA_TP, SEQ, VOCAB, make_plan, run_workers
+from test_runtime_harness import (
+    GPT_ARGS,
+    GPT_SP,
+    GPT_TP,
+    LLAMA_ARGS,
+    LLAMA_TP,
+    SEQ,
+    VOCAB,
+    make_plan,
+    merged,
+    run_workers,
+    train_runs,
+)
 
 from mlm.planner.cost.tp_collectives import tp_block_collectives
 from mlm.planner.errors import PlanError
-from mlm.runtime.train import RunOptions, full_parameters, setup, train
+from mlm.runtime.train import RunOptions, setup
 
 KINDS = ("gpt", "llama", "hf")
 HEADS = {"gpt": (4, 4), "llama": (4, 2), "hf": (4, 4)}  # (num_heads, num_kv_heads) of the test configs
@@ -161,21 +173,6 @@ ATOL = 1e-5
 NOISE_GRAD = 1e-6  # |gradient| at fp32 cancellation noise (2^-23 relative on sums of ~1e-3..1 terms)
 
 
-def _train(rank: int, runs: list[tuple[Any, RunOptions]]) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
-    out = []
-    for plan, opts in runs:
-        rt = train(plan, opts)
-        out.append(([r.loss for r in rt.records], full_parameters(rt)))
-    return out
-
-
-def _merged(per_rank: list[list[Any]], i: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    params: dict[str, torch.Tensor] = {}
-    for r in per_rank:
-        params.update(r[i][1])
-    return per_rank[0][i][0], params
-
-
 def _max(t: torch.Tensor) -> float:
     return t.max().item() if t.numel() else 0.0
 
@@ -192,7 +189,7 @@ def test_tp_matches_one_process_under_adamw() -> None:
     start = RunOptions(steps=0, optimizer="sgd", lr=1.0, seed=0)
     refs = run_workers(
         1,
-        _train,
+        train_runs,
         [
             (_plan(k, False, micro_batch=mb, num_microbatches=4 // mb), o)
             for k in KINDS
@@ -200,12 +197,12 @@ def test_tp_matches_one_process_under_adamw() -> None:
         ],
     )
     cfgs = [(k, sp, ADAMW) for k in KINDS for sp in (False, True)]
-    runs = run_workers(2, _train, [(_plan(k, sp, micro_batch=2, num_microbatches=2, tp=2), o) for k, sp, o in cfgs])
+    runs = run_workers(2, train_runs, [(_plan(k, sp, micro_batch=2, num_microbatches=2, tp=2), o) for k, sp, o in cfgs])
     for i, (kind, sp, opts) in enumerate(cfgs):
         r = 3 * KINDS.index(kind)
-        ref_losses, ref_params = _merged(refs, r)
-        grads = {n: _merged(refs, r + 2)[1][n] - p for n, p in _merged(refs, r + 1)[1].items()}
-        losses, params = _merged(runs, i)
+        ref_losses, ref_params = merged(refs, r)
+        grads = {n: merged(refs, r + 2)[1][n] - p for n, p in merged(refs, r + 1)[1].items()}
+        losses, params = merged(runs, i)
         assert losses == pytest.approx(ref_losses, abs=ATOL), (kind, sp, opts.optimizer)
         assert set(params) == set(ref_params)
         for name, ref in ref_params.items():
@@ -231,12 +228,17 @@ def test_sp_with_a_vocabulary_tp_does_not_divide_matches_one_process() -> None:
     2 micro-batches, 3 SGD steps, against one process (this crashed in FSDP2's reduction before: the head's
     gradient was a partial-sum DTensor of a plain parameter)."""
     args = {**GPT_ARGS, "vocab_size": VOCAB + 1}
-    tp_map = {**GPT_TP, "transformer.wte": "replicate", "lm_head": "replicate", **GPT_SP}
+    _tp2_sp_matches_one_process({**GPT_TP, "transformer.wte": "replicate", "lm_head": "replicate", **GPT_SP}, args)
+
+
+def _tp2_sp_matches_one_process(tp_map: dict[str, str], args: dict[str, Any] | None = None) -> None:
+    """The GPT preset at tp2 + SP with `tp_map`, 2 micro-batches, 3 SGD steps: losses and every parameter within
+    ATOL of one process."""
     opts = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0)
     one = make_plan("gpt", micro_batch=2, num_microbatches=2, args=args)
     two = make_plan("gpt", tp=2, sp=True, micro_batch=2, num_microbatches=2, args=args, tp_map=tp_map)
-    ref_losses, ref_params = _merged(run_workers(1, _train, [(one, opts)]), 0)
-    losses, params = _merged(run_workers(2, _train, [(two, opts)]), 0)
+    ref_losses, ref_params = merged(run_workers(1, train_runs, [(one, opts)]), 0)
+    losses, params = merged(run_workers(2, train_runs, [(two, opts)]), 0)
     assert losses == pytest.approx(ref_losses, abs=ATOL)
     assert set(params) == set(ref_params)
     for name, ref in ref_params.items():
@@ -248,16 +250,9 @@ def test_sp_with_a_replicated_mlp_matches_one_process() -> None:
     linears compute the rank's sequence shard with the replicated weights and the weight gradients are all-reduced
     over tp (before, the second linear gathered its already whole input again and the block failed on shapes).
     tp2 + SP, 2 micro-batches, 3 SGD steps, against one process."""
-    tp_map = {**GPT_TP, **GPT_SP, "transformer.h.*.mlp.c_fc": "replicate", "transformer.h.*.mlp.c_proj": "replicate"}
-    opts = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0)
-    one = make_plan("gpt", micro_batch=2, num_microbatches=2)
-    two = make_plan("gpt", tp=2, sp=True, micro_batch=2, num_microbatches=2, tp_map=tp_map)
-    ref_losses, ref_params = _merged(run_workers(1, _train, [(one, opts)]), 0)
-    losses, params = _merged(run_workers(2, _train, [(two, opts)]), 0)
-    assert losses == pytest.approx(ref_losses, abs=ATOL)
-    assert set(params) == set(ref_params)
-    for name, ref in ref_params.items():
-        assert _max((params[name] - ref).abs()) <= ATOL, name
+    _tp2_sp_matches_one_process(
+        {**GPT_TP, **GPT_SP, "transformer.h.*.mlp.c_fc": "replicate", "transformer.h.*.mlp.c_proj": "replicate"}
+    )
 
 
 # ------------------------------------------------------------------------------------------ the region check

@@ -17,7 +17,8 @@ from mlm.planner.cost.inputs import summarize
 from mlm.planner.errors import Infeasible
 from mlm.planner.plan import plan_from_dict
 from mlm.planner.search.layouts import PlanRequest, _tp_options, search
-from mlm.planner.search.make_plan import _first_shardable, _Sharder, make_plan, tp_cost
+from mlm.planner.search.make_plan import _first_shardable, _Sharder, make_plan
+from mlm.planner.search.sharder import tp_cost
 from mlm.planner.search.tp_sharding import plan_tensor_parallel
 
 QWEN3 = textwrap.dedent(

@@ -814,11 +814,16 @@ def _layer_ir(
         if tags[n] == "S" and _is_score_matrix(val(n), seq):
             extra["core"] += c.extra_saved_bytes  # e.g. the attention-dropout mask
     acts = {"S": extra["S"], "R": extra["R"], "core": extra["core"]}
+    # saved bytes per op-graph node (its own saved output, its extra saved tensors): what lets the planner split
+    # the activations again under a tensor-parallel layout other than Megatron's (cost/inputs.py)
+    per_node: dict[str, float] = {n.name: costs[n].extra_saved_bytes for n in nodes if costs[n].extra_saved_bytes}
     for s in saved:
         if s in is_param or s.op == "get_attr":
             continue
         b = nbytes(val(s))
         acts[tags.get(s, "R")] += b
+        if s in member:
+            per_node[s.name] = per_node.get(s.name, 0.0) + b
         if tags.get(s) == "S" and _is_score_matrix(val(s), seq):
             acts["core"] += b
     inputs = {
@@ -847,7 +852,7 @@ def _layer_ir(
         output_bytes=sum(nbytes(val(o)) for o in outputs),
         linears=tuple(linears),
         block_group=group.fqn if group is not None else None,
-        ops=_op_graph(nodes, costs, params, is_param),
+        ops=_op_graph(nodes, costs, params, is_param, per_node),
     )
 
 
@@ -923,12 +928,16 @@ def _op_graph(
     costs: dict[torch.fx.Node, OpCost],
     params: dict[torch.fx.Node, str],
     inert: set[torch.fx.Node],
+    saved: dict[str, float] | None = None,
 ) -> nx.DiGraph:
     """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on.
 
     Node attributes say where data enters: `reads_input` when an operand is an activation from an earlier layer
     (the block's input), `constant` when the op does not depend on the batch (masks, rotary tables); `weight` the
-    first parameter it reads, `params` (name, elements) of every parameter it reads."""
+    first parameter it reads, `params` (name, elements) of every parameter it reads; `saved` the bytes per sample
+    autograd keeps of this op's output and its own extra tensors (a saved view's bytes go to the op it views; a
+    view or creation op's to no node: `saved` sums to at most the layer's Activations.total)."""
+    saved = saved or {}
     g = nx.DiGraph()
     member = set(nodes)
     for n in nodes:
@@ -948,6 +957,7 @@ def _op_graph(
             params=tuple((_strip_root(params[a]), _numel(a)) for a in _inputs(n) if a in params),
             reads_input=_reads_outside(n, costs, member, inert),
             constant=n in inert,
+            saved=saved.get(n.name, 0.0),
         )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)

@@ -114,7 +114,7 @@ def rank_collectives(
     `units`: FSDP units per virtual stage when the IR knows them (parameter-holding layers + 1); by default the
     merged pre / post layers count as one layer each. `recompute_blocks`: blocks per virtual stage that run
     layout.recompute (its first ones, as plan.json's recompute_layers; None: all of them)."""
-    inputs = cp_share(for_tp(inputs, layout.tp), layout.cp)
+    inputs = cp_share(for_tp(inputs, layout.tp, layout.sequence_parallel), layout.cp)
     m, pp = layout.num_microbatches, layout.pp
     dp = layout.dp * layout.cp  # the ranks that reduce gradients together
     out: dict[str, CollectiveCount] = {}

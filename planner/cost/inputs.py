@@ -17,14 +17,16 @@ parallelism). All quantities are per sample (micro-batch 1) of `seq_len` tokens,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
 
-from mlm.planner.capture.graph import LayerIR, ModelIR, MoEIR
+from mlm.planner.capture.graph import Activations, LayerIR, ModelIR, MoEIR
 from mlm.planner.errors import PlanError
 
-Split = Literal["col", "row", "vocab", "replicate"]
+Split = Literal["col", "row", "vocab", "replicate", "sequence"]  # sequence: a replicated linear on SP's shard
+TPStates = Mapping[str, Mapping[str, str]]  # block name -> op-graph node -> "S" (split over tp) or "R" (whole)
 BF16_BYTES = 2
 FP32_BYTES = 4
 LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy all-reduces max, sum(exp) and the target logit (Megatron)
@@ -32,7 +34,8 @@ LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy all-reduces max, sum(exp) an
 
 @dataclass(frozen=True)
 class Gemm:
-    """One linear's forward GEMM: (rows x k) @ (k x n); tp divides k (row) or n (col, vocab), not replicate."""
+    """One linear's forward GEMM: (rows x k) @ (k x n); tp divides k (row), n (col, vocab) or the rows (sequence:
+    a replicated weight on sequence parallelism's shard of the tokens), not replicate."""
 
     rows: int  # tokens per sample
     k: int
@@ -108,6 +111,9 @@ class ModelCostInputs:
     num_params: int
     block_costs: tuple[LayerCost, ...] = ()  # one per block, in order (block_names); `block` is their mean
     active_params: int = 0  # parameters one token uses (MoE: top_k of the routed experts); num_params if dense
+    # (tp, sequence parallelism) -> these inputs with the blocks split as the sharding ILP split them, where that
+    # differs from Megatron's rule (with_tp_styles); for_tp picks the one a layout runs
+    tp_variants: tuple[tuple[tuple[int, bool], ModelCostInputs], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -141,8 +147,9 @@ class ModelCostInputs:
         return 3.0 * (self.pre.model_flops + self.num_blocks * self.block.model_flops + self.post.model_flops)
 
 
-def summarize(ir: ModelIR) -> ModelCostInputs:
-    """Collapse `ir` to per-layer floats: one cost per block, their mean, and the merged layers before / after."""
+def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel: bool = False) -> ModelCostInputs:
+    """Collapse `ir` to per-layer floats: one cost per block, their mean, and the merged layers before / after.
+    `tp_states`: the blocks' op states as a tensor-parallel sharding chose them (default: Megatron's rule)."""
     blocks = [layer for layer in ir.layers if layer.kind == "block"]
     if not blocks:
         raise PlanError("the model has no repeated transformer blocks to place on pipeline stages")
@@ -150,7 +157,8 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
     last = ir.layers.index(blocks[-1])
     costs: list[LayerCost] = []
     for layer in ir.layers[first : last + 1]:
-        cost = _layer_cost(layer, ir)
+        states = tp_states.get(layer.name) if tp_states and layer.kind == "block" else None
+        cost = _layer_cost(layer, ir, states, sequence_parallel)
         if layer.kind == "block":
             costs.append(cost)
         else:  # between two stacks (an encoder's final norm): run with the block before it
@@ -187,10 +195,31 @@ def summarize(ir: ModelIR) -> ModelCostInputs:
     )
 
 
-def for_tp(inputs: ModelCostInputs, tp: int) -> ModelCostInputs:
-    """`inputs` as tp runs them: the embedding, head and loss stay replicated when tp does not divide the vocabulary
+def with_tp_styles(inputs: ModelCostInputs, ir: ModelIR, tp: int, sp: bool, states: TPStates) -> ModelCostInputs:
+    """`inputs` that also know how the tensor-parallel sharding ILP split the blocks at (tp, sp): `states` as
+    TPSharding.states. Where every block op's state is what Megatron's rule gives, nothing is added (the same
+    numbers); else the blocks are priced from the ILP's states (a replicated MLP computes whole, or on SP's shard,
+    issues no tp collective and all-reduces its weight gradients under SP), and for_tp(…, tp, sp) returns them."""
+    if tp == 1 or all(_same_as_megatron(layer, states.get(layer.name)) for layer in ir.blocks):
+        return inputs
+    variant = replace(summarize(ir, states, sp), tp_variants=())
+    kept = tuple(v for v in inputs.tp_variants if v[0] != (tp, sp))
+    return replace(inputs, tp_variants=(*kept, ((tp, sp), variant)))
+
+
+def _same_as_megatron(layer: LayerIR, states: Mapping[str, str] | None) -> bool:
+    return not states or layer.ops is None or _region_tags(layer) == _region_tags(layer, states)
+
+
+def for_tp(inputs: ModelCostInputs, tp: int, sequence_parallel: bool = False) -> ModelCostInputs:
+    """`inputs` as tp runs them: the blocks split as the sharding ILP chose (a tp_variants entry, else Megatron's
+    rule), and the embedding, head and loss replicated when tp does not divide the vocabulary
     (runtime/tensor_parallel.py: 'replicate' styles; under SP the head's input is gathered and every rank computes
     the whole logits)."""
+    for key, variant in inputs.tp_variants:
+        if key == (tp, sequence_parallel):
+            inputs = variant
+            break
     if tp == 1 or not any(c.vocab_size % tp for c in (inputs.pre, inputs.post) if c.vocab_size):
         return inputs
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
@@ -236,11 +265,16 @@ def _active_params(ir: ModelIR) -> int:
 # ---- one layer ---------------------------------------------------------------------------------------------------
 
 
-def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
+def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = None, sp: bool = False) -> LayerCost:
+    """`states`: the ILP's op states for a block under tp (None: Megatron's rule); `sp`: sequence parallelism,
+    which decides how a replicated linear runs (on the token shard) when `states` has one."""
     a = layer.activations
     kind = layer.kind
     vocab = kind in ("head", "loss")
-    gemms, sharded_params, fwd, bwd = _linears(layer, ir)
+    tags = _region_tags(layer, states)
+    if states:
+        a = _resplit(layer, a, tags)
+    gemms, sharded_params, fwd, bwd = _linears(layer, ir, tags, sp)
     gathered = bwd[1]  # distinct inputs of the column-parallel linears (before any MoE term)
     moe = getattr(layer, "moe", None)
     routed = dispatch = 0.0
@@ -249,13 +283,13 @@ def _layer_cost(layer: LayerIR, ir: ModelIR) -> LayerCost:
         gemms, sharded_params = gemms + experts, sharded_params + routed
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
         dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
-    mem_s, core = _memory_split(layer, ir.seq_len, kind)
+    mem_s, core = _memory_split(layer, ir.seq_len, kind, tags)
     fixed = (0, 0.0)
     if kind == "embedding":  # the vocabulary-parallel lookup's all-reduce (a replicated output, with or without SP)
         fixed, fwd = fwd, (0, 0.0)
     if kind == "loss":
         fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
-    sp_count, sp_elems = _sequence_parallel_params(layer)
+    sp_count, sp_elems = _sequence_parallel_params(layer, tags)
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
     replicated = a.replicated if kind != "loss" else 0.0
     return LayerCost(
@@ -310,16 +344,19 @@ def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
     return len(layer.attention) * BF16_BYTES * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
 
 
-def _linears(layer: LayerIR, ir: ModelIR) -> tuple[tuple[Gemm, ...], float, tuple[int, float], tuple[int, float]]:
+def _linears(
+    layer: LayerIR, ir: ModelIR, tags: dict[str, str], sp: bool
+) -> tuple[tuple[Gemm, ...], float, tuple[int, float], tuple[int, float]]:
     """GEMMs with their tp split, tp-sharded parameter count, and the forward / backward all-reduces."""
     gemms: list[Gemm] = []
     sharded = 0.0
     fwd_n, fwd_b, bwd_n, bwd_b = 0, 0.0, 0, 0.0
     if layer.kind == "block":
-        splits, inputs = _block_splits(layer)
+        splits, inputs = _block_splits(layer, tags, sp)
         for op, split in zip(layer.linears, splits):
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, split))
-            sharded += op.in_features * op.out_features + (op.out_features if op.has_bias and split == "col" else 0)
+            if split in ("col", "row"):
+                sharded += op.in_features * op.out_features + (op.out_features if op.has_bias and split == "col" else 0)
             if split == "row":  # g: all-reduce the row-parallel output in forward
                 fwd_n, fwd_b = fwd_n + 1, fwd_b + BF16_BYTES * op.rows * op.out_features
         for size in inputs:  # f: all-reduce the input gradient of each group of column-parallel linears
@@ -353,60 +390,87 @@ def _experts(moe: MoEIR) -> tuple[tuple[Gemm, ...], float, float]:
     return gemms, float(moe.routed_params), float(BF16_BYTES * moe.tokens * hidden)
 
 
-def _block_splits(layer: LayerIR) -> tuple[list[Split], list[float]]:
-    """Column/row split of each block linear (Megatron's rule, read off the op graph) and, for backward, the
-    bytes of each distinct input feeding column-parallel linears. Without an op graph: GPT's pattern,
-    alternating column/row linears and two all-reduces of the residual stream each way."""
+def _block_splits(layer: LayerIR, tags: dict[str, str], sp: bool = False) -> tuple[list[Split], list[float]]:
+    """The tp split of each block linear, read off the op graph's tags (_region_tags): a linear whose output is
+    split is column-parallel, one reading a split tensor row-parallel, any other replicated (on SP's token shard
+    under sequence parallelism); and, for backward, the bytes of each distinct input feeding column-parallel
+    linears. Without an op graph: GPT's pattern, alternating column/row linears and two all-reduces of the residual
+    stream each way."""
     g = layer.ops
     residual = BF16_BYTES * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
     if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(layer.linears):
         return ["col" if i % 2 == 0 else "row" for i in range(len(layer.linears))], [residual] * 2
-    tags = _region_tags(layer)
-    splits, inputs, seen = [], [], set()
+    splits: list[Split] = []
+    inputs: list[float] = []
+    seen = set()
     for n, d in g.nodes(data=True):
         if d.get("kind") != "linear":
             continue
-        inside = tags[n] == "R"  # a linear reading a region's tensor is row-parallel and leaves the region
-        splits.append("row" if inside else "col")
-        if not inside:
-            preds = tuple(sorted(g.predecessors(n)))
-            if preds not in seen:
-                seen.add(preds)
-                inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
+        col = tags[n] == "S"
+        if not col:  # a linear reading a region's tensor is row-parallel and leaves the region
+            row = any(tags.get(p) == "S" for p in g.predecessors(n))
+            splits.append("row" if row else "sequence" if sp else "replicate")
+            continue
+        splits.append("col")
+        preds = tuple(sorted(g.predecessors(n)))
+        if preds not in seen:
+            seen.add(preds)
+            inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
     return splits, inputs
 
 
-def _region_tags(layer: LayerIR) -> dict[str, str]:
-    """Megatron's rule read off the layer's op graph, per node in graph order: "S" inside a tensor-parallel region
-    (a column-parallel linear's output and what is computed from it), "R" on the residual stream (a row-parallel
-    linear's output, an embedding, everything computed outside a region)."""
+def _region_tags(layer: LayerIR, states: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Per op-graph node in graph order: "S" inside a tensor-parallel region (split over tp ranks: a column-parallel
+    linear's output and what is computed from it), "R" on the residual stream (a row-parallel linear's output, an
+    embedding, everything computed outside a region; whole, or sequence-sharded under SP). Megatron's rule, with
+    the ILP's own states where `states` gives them (its S is S; R and SP's Q are R)."""
     g = layer.ops
     tags: dict[str, str] = {}
     if g is None:
         return tags
     for n, d in g.nodes(data=True):
+        if states and n in states:
+            tags[n] = "S" if states[n] == "S" else "R"
+            continue
         inside = any(tags.get(p) == "S" for p in g.predecessors(n))
         k = d.get("kind")
         tags[n] = ("R" if inside else "S") if k == "linear" else "R" if k == "embedding" else "S" if inside else "R"
     return tags
 
 
-def _sequence_parallel_params(layer: LayerIR) -> tuple[int, float]:
+def _resplit(layer: LayerIR, a: Activations, tags: dict[str, str]) -> Activations:
+    """The layer's saved activations split by `tags` instead of Megatron's rule: the bytes the op graph attributes
+    to each node (its `saved`) move between sharded and replicated where the two disagree; bytes no node holds
+    (views of inputs, extra expert terms) stay where capture put them."""
+    g = layer.ops
+    if g is None:
+        return a
+    megatron = _region_tags(layer)
+    to_s = sum(d.get("saved", 0.0) for n, d in g.nodes(data=True) if tags[n] == "S" and megatron[n] != "S")
+    to_r = sum(d.get("saved", 0.0) for n, d in g.nodes(data=True) if tags[n] != "S" and megatron[n] == "S")
+    sharded = max(a.sharded + to_s - to_r, 0.0)
+    return replace(
+        a, sharded=sharded, replicated=a.replicated + a.sharded - sharded, attn_core=min(a.attn_core, sharded)
+    )
+
+
+def _sequence_parallel_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int, float]:
     """(tensors, elements) of the parameters that runtime/tensor_parallel.py gives SequenceParallel under SP: those
-    read by a final norm layer, and those read by a block's residual-stream ops (outside the tp regions: norms)."""
+    read by a final norm layer, those read by a block's residual-stream ops (outside the tp regions: norms), and
+    a replicated linear's (one that neither reads nor writes a split tensor: it computes the token shard)."""
     g = layer.ops
     if g is None or layer.kind not in ("block", "norm"):
         return 0, 0.0
-    tags = _region_tags(layer)
     found: dict[str, int] = {}
     for n, d in g.nodes(data=True):
         k = d.get("kind")
-        if layer.kind == "norm" or (tags[n] == "R" and k not in ("linear", "embedding")):
+        whole = tags[n] == "R" and not any(tags.get(p) == "S" for p in g.predecessors(n))
+        if layer.kind == "norm" or (tags[n] == "R" and k != "linear" and k != "embedding") or (k == "linear" and whole):
             found.update(d.get("params", ()))
     return len(found), float(sum(found.values()))
 
 
-def _memory_split(layer: LayerIR, seq: int, kind: str) -> tuple[float, float]:
+def _memory_split(layer: LayerIR, seq: int, kind: str, tags: dict[str, str]) -> tuple[float, float]:
     """Fraction of memory-bound bytes inside the tp region, and the attention core's memory-bound bytes.
 
     The IR gives one bytes_moved per layer; the op graph gives each op's output bytes and region, which we use as
@@ -415,7 +479,6 @@ def _memory_split(layer: LayerIR, seq: int, kind: str) -> tuple[float, float]:
     if g is None or kind != "block":
         total = layer.activations.total
         return (layer.activations.sharded / total if total else 0.0), 0.0
-    tags = _region_tags(layer)
     moved = {"S": 0.0, "R": 0.0}
     core = 0.0
     for n, d in g.nodes(data=True):

@@ -532,7 +532,7 @@ def evaluate(
     _check(inputs, layout, assignment)
     counts = assignment.blocks_per_stage
     rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
-    inputs = for_tp(inputs, layout.tp)
+    inputs = for_tp(inputs, layout.tp, layout.sequence_parallel)
     whole = inputs
     inputs = cp_share(inputs, layout.cp)
     tp_link = group_link(cluster, tp, 1)
@@ -882,7 +882,7 @@ def stage_coefficients(
     options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
-    inputs = for_tp(inputs, layout.tp)
+    inputs = for_tp(inputs, layout.tp, layout.sequence_parallel)
     tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)
     seq = max(1, inputs.seq_len // layout.cp)

@@ -37,6 +37,7 @@ from mlm.planner.cost.step_time import (
 )
 from mlm.planner.errors import Infeasible, PlanError
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
+from mlm.planner.search.sharder import Sharder
 from mlm.planner.search.stage_milp import (
     StageProblem,
     integer_lower_bound,
@@ -107,8 +108,12 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile) -> SearchResult:
-    """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible.
+def search(
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, sharder: Sharder | None = None
+) -> SearchResult:
+    """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible. Every
+    candidate is priced with the tensor-parallel styles the sharding ILP chooses for its (tp, sp) (`sharder`,
+    shared with the caller that writes those styles into plan.json).
 
     Two passes. Enumeration: every runnable (tp, pp, dp, zero, micro-batch, vpp, sp, recompute) is scored with
     balanced stages, except what a monotonicity fact rules out: a (tp, pp, dp, zero) group whose least-memory
@@ -119,7 +124,7 @@ def search(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterP
     the bound reaches the best step time found; no other cut is made, so a pin can only remove candidates."""
     start = time.perf_counter()
     validate_request(ir, request, cluster)
-    s = _Search(summarize(ir), ir, request, gpu, cluster)
+    s = _Search(priced_inputs(ir, request, gpu, cluster, sharder), ir, request, gpu, cluster)
     for group in _groups(ir, request, cluster):
         s.enumerate_group(group)
     s.refine()
@@ -579,12 +584,23 @@ def stage_problem(inputs: ModelCostInputs, layout: Layout, gpu: GPUProfile, clus
     )
 
 
-def evaluate_pinned(ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile) -> Candidate:
+def priced_inputs(
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, sharder: Sharder | None = None
+) -> ModelCostInputs:
+    """The model's cost inputs with every (tp, sp) the request allows priced as the sharding ILP shards it."""
+    sharder = sharder or Sharder(ir, gpu, cluster, request.solver, request.time_limit_s)
+    sps = [request.sequence_parallel] if request.sequence_parallel is not None else [False, True]
+    return sharder.priced_inputs((tp, bool(sp)) for tp in _tp_options(ir, request, cluster) for sp in sps)
+
+
+def evaluate_pinned(
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, sharder: Sharder | None = None
+) -> Candidate:
     """Every dimension pinned: evaluate exactly that layout (balanced stages). Raises Infeasible if it does not
     fit, naming the stage and the overflow."""
     validate_request(ir, request, cluster)
     layout = pinned_layout(ir, request)
-    ev = evaluate(summarize(ir), layout, gpu, cluster)
+    ev = evaluate(priced_inputs(ir, request, gpu, cluster, sharder), layout, gpu, cluster)
     if not ev.fits:
         raise Infeasible(f"layout {layout.describe()} does not fit: {ev.reason}")
     return Candidate(layout, ev)

@@ -12,16 +12,24 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mlm.planner.capture.graph import ModelIR
-from mlm.planner.cost.collectives import group_link
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, resolve
-from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate, summarize
+from mlm.planner.cost.step_time import Evaluation, StageAssignment, evaluate
 from mlm.planner.errors import Infeasible
 from mlm.planner.layout import Layout
 from mlm.planner.plan import Plan
 from mlm.planner.search.explain import DIMENSIONS, alternatives, explain_dimensions
-from mlm.planner.search.layouts import Candidate, PlanRequest, SearchResult, evaluate_pinned, layout_problem, search
+from mlm.planner.search.layouts import (
+    Candidate,
+    PlanRequest,
+    SearchResult,
+    evaluate_pinned,
+    layout_problem,
+    priced_inputs,
+    search,
+)
 from mlm.planner.search.plan_document import build_plan
-from mlm.planner.search.tp_sharding import TPCost, TPSharding, plan_tensor_parallel
+from mlm.planner.search.sharder import Sharder
+from mlm.planner.search.tp_sharding import TPSharding
 
 if TYPE_CHECKING:  # ModelSpec imports torch; a cache hit passes a CachedSpec instead
     from mlm.planner.capture.loader import ModelSpec
@@ -48,7 +56,7 @@ def make_plan(
     result: SearchResult | None = None
     shard = _Sharder(ir, gpu, cluster, request)
     if request.fully_pinned:
-        best: Candidate = evaluate_pinned(ir, request, gpu, cluster)
+        best: Candidate = evaluate_pinned(ir, request, gpu, cluster, shard)
         sharding = shard(best.layout)
         if isinstance(sharding, str):
             raise Infeasible(f"layout {best.layout.describe()} cannot be sharded: {sharding}")
@@ -57,7 +65,7 @@ def make_plan(
         explanations = {"layout": "every dimension was pinned on the command line"}
         notes = _unpinned_mesh_notes(ir, request)
     else:
-        result = search(ir, request, gpu, cluster)
+        result = search(ir, request, gpu, cluster, shard)
         result, sharding = _first_shardable(result, shard, request.top_k)
         best = result.best
         alts = alternatives(result, request.top_k)
@@ -65,7 +73,7 @@ def make_plan(
             f"searched {result.evaluated} layouts and {result.milp_solves} stage MILPs in "
             f"{result.seconds:.2f} s; captured with {ir.capture_method} in {ir.capture_seconds:.2f} s"
         )
-        explanations = explain_dimensions(result, _what_if(ir, request, gpu, cluster), _pinned(request))
+        explanations = explain_dimensions(result, _what_if(ir, request, gpu, cluster, shard), _pinned(request))
         notes = list(result.notes)
         if not ir.num_experts and "ep" not in _pinned(request):
             explanations["ep"] = "ep=1: the model has no routed experts for expert parallelism to split"
@@ -77,7 +85,10 @@ def make_plan(
         if shard.skipped:
             explanations["skipped"] = skipped_summary(shard.skipped)
             notes.append(explanations["skipped"])
-    plan = build_plan(spec, ir, best.layout, best.evaluation, best.assignment, gpu, cluster, sharding.styles, alts)
+    inputs = priced_inputs(ir, request, gpu, cluster, shard)
+    plan = build_plan(
+        spec, ir, best.layout, best.evaluation, best.assignment, gpu, cluster, sharding.styles, alts, inputs
+    )
     warnings = [*assumptions, *getattr(ir, "warnings", ()), *notes]
     pinned = [d for d in DIMENSIONS if d in _pinned(request)]
     plan = replace(plan, pinned=pinned, warnings=list(dict.fromkeys(warnings)))
@@ -106,39 +117,18 @@ def _unpinned_mesh_notes(ir: ModelIR, request: PlanRequest) -> list[str]:
     return out
 
 
-def tp_cost(gpu: GPUProfile, cluster: ClusterProfile, tp: int) -> TPCost:
-    """The sharding ILP's prices on the target hardware: the GPU profile's peak and HBM bandwidth, and the bus
-    bandwidth of a tp group as the cost model's collectives see it (planner/cost/collectives.py group_link)."""
-    link = group_link(cluster, max(tp, 1), 1)
-    return TPCost.from_profiles(gpu, link_gbps=link.bus_bytes_per_s / 1e9)
-
-
-class _Sharder:
-    """The sharding ILP per (tp, sequence parallelism), cached; a failure is kept as its reason."""
+class _Sharder(Sharder):
+    """The search's Sharder, keyed by layouts, with the candidates it could not shard."""
 
     def __init__(self, ir: ModelIR, gpu: GPUProfile, cluster: ClusterProfile, request: PlanRequest) -> None:
-        self.ir, self.gpu, self.cluster, self.request = ir, gpu, cluster, request
-        self.done: dict[tuple[int, bool], TPSharding | str] = {}
+        super().__init__(ir, gpu, cluster, request.solver, request.time_limit_s)
         self.skipped: list[tuple[Candidate, str]] = []
 
     def __call__(self, layout: Layout) -> TPSharding | str:
-        key = (layout.tp, layout.sequence_parallel)
-        if key not in self.done:
-            try:
-                self.done[key] = plan_tensor_parallel(
-                    self.ir,
-                    layout.tp,
-                    layout.sequence_parallel,
-                    solver=self.request.solver,
-                    time_limit_s=self.request.time_limit_s,
-                    cost=tp_cost(self.gpu, self.cluster, layout.tp),
-                )
-            except Infeasible as e:
-                self.done[key] = str(e)
-        return self.done[key]
+        return self.solve(layout.tp, layout.sequence_parallel)
 
-    def known_bad(self, layout: Layout) -> bool:
-        return isinstance(self.done.get((layout.tp, layout.sequence_parallel)), str)
+    def known_bad_layout(self, layout: Layout) -> bool:
+        return self.known_bad(layout.tp, layout.sequence_parallel)
 
 
 def _first_shardable(result: SearchResult, shard: _Sharder, top_k: int) -> tuple[SearchResult, TPSharding]:
@@ -150,7 +140,7 @@ def _first_shardable(result: SearchResult, shard: _Sharder, top_k: int) -> tuple
     failed: list[tuple[Candidate, str]] = []
     for i, cand in enumerate(result.ranked):
         if chosen is not None and len(kept) > top_k:
-            kept.extend(c for c in result.ranked[i:] if not shard.known_bad(c.layout))
+            kept.extend(c for c in result.ranked[i:] if not shard.known_bad_layout(c.layout))
             break
         got = shard(cand.layout)
         if isinstance(got, str):
@@ -190,11 +180,11 @@ def _pinned(request: PlanRequest) -> frozenset[str]:
 
 
 def _what_if(
-    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile
+    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, shard: Sharder
 ) -> Callable[[Layout, tuple[int, ...] | None], Evaluation | str]:
     """Evaluate one layout for --explain (on the given blocks per stage, every block under layout.recompute;
     None: balanced), or say why it cannot run."""
-    inputs = summarize(ir)
+    inputs = priced_inputs(ir, request, gpu, cluster, shard)
 
     def what_if(layout: Layout, blocks: tuple[int, ...] | None) -> Evaluation | str:
         problem = layout_problem(ir, layout, request.global_batch)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.cost.collective_counts import rank_collectives
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
+from mlm.planner.cost.inputs import ModelCostInputs
 from mlm.planner.cost.step_time import MLM_RUN, Evaluation, StageAssignment, summarize
 from mlm.planner.layout import Layout
 from mlm.planner.plan import ClusterRef, ModelRef, Plan, Predicted, Stage, Training
@@ -50,9 +51,12 @@ def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None
     return out
 
 
-def predicted_collectives(ir: ModelIR, layout: Layout, assignment: StageAssignment | None) -> list[dict]:
-    """Per pipeline rank, the collectives of one step as the cost model prices them (plan.json, for the dry run)."""
-    inputs = summarize(ir)
+def predicted_collectives(
+    ir: ModelIR, layout: Layout, assignment: StageAssignment | None, inputs: ModelCostInputs | None = None
+) -> list[dict]:
+    """Per pipeline rank, the collectives of one step as the cost model prices them (plan.json, for the dry run).
+    `inputs`: the cost inputs the layout was priced with (default: summarize(ir), Megatron's tp rule)."""
+    inputs = inputs or summarize(ir)
     counts = assignment.blocks_per_stage if assignment else balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
     params = {layer.name: layer.params for layer in ir.layers}
     kinds = {layer.name: layer.kind for layer in ir.layers}
@@ -92,6 +96,7 @@ def build_plan(
     cluster: ClusterProfile,
     tensor_parallel: dict[str, str],
     alternatives: list[dict[str, object]],
+    inputs: ModelCostInputs | None = None,
 ) -> Plan:
     stages = []
     for i, ((layers, rc), cost) in enumerate(zip(stage_layers(ir, layout, assignment), evaluation.stages)):
@@ -140,7 +145,7 @@ def build_plan(
             mfu=evaluation.mfu,
             peak_memory_bytes=float(evaluation.peak_memory_bytes),
             breakdown={k: float(v) for k, v in evaluation.breakdown.items()},
-            collectives_per_rank=predicted_collectives(ir, layout, assignment),
+            collectives_per_rank=predicted_collectives(ir, layout, assignment, inputs),
         ),
         alternatives=alternatives,
     )

@@ -158,6 +158,9 @@ class TPSharding:
     collectives: dict[str, tuple[Collective, ...]]  # forward collectives per solved layer (FQN of the layer)
     layouts: dict[str, tuple[str, str]] = field(default_factory=dict)  # linear FQN -> (input, output) state
     shard_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)  # fused outputs: shard each chunk
+    # block name -> op-graph node -> the state its output is in (R, S or Q): what the cost model prices the block
+    # with (cost/inputs.py with_tp_styles), so the layout is costed with the styles plan.json carries
+    states: dict[str, dict[str, str]] = field(default_factory=dict)
     solve_seconds: float = 0.0
     solver: str = ""
     explanation: str = ""
@@ -214,6 +217,7 @@ def plan_tensor_parallel(
     collectives: dict[str, tuple[Collective, ...]] = {}
     layouts: dict[str, tuple[str, str]] = {}
     splits: dict[str, tuple[int, ...]] = {}
+    states: dict[str, dict[str, str]] = {}
     notes: list[str] = []
     solved: dict[int, tuple[LayerIR, _BlockSolution]] = {}
     for layer in ir.layers:
@@ -239,6 +243,7 @@ def plan_tensor_parallel(
             styles.update({rename(m): s for m, s in sol.styles.items()})
             layouts.update({rename(m): lay for m, lay in sol.layouts.items()})
             splits.update({rename(m): sp for m, sp in sol.splits.items()})
+            states[layer.name] = sol.states  # node names are the shared graph's: no renaming
             collectives[layer.name] = tuple(
                 Collective(c.kind, rename(c.module), c.tensor_bytes) for c in sol.collectives
             )
@@ -250,6 +255,7 @@ def plan_tensor_parallel(
         collectives=collectives,
         layouts=layouts,
         shard_splits=splits,
+        states=states,
         solve_seconds=elapsed,
         solver=solver,
     )
@@ -270,6 +276,7 @@ class _BlockSolution:
     splits: dict[str, tuple[int, ...]]
     collectives: list[Collective]
     notes: list[str]
+    states: dict[str, str] = field(default_factory=dict)  # node -> output state
 
 
 # ---------------------------------------------------------------------------------------------------- the graph
@@ -576,7 +583,8 @@ def _read_solution(
             (order[n] for n in m.nodes if _linear_module(m.g.nodes[n]) == c.module and m.is_linear(n)), default=0
         )
     )
-    return _BlockSolution(styles, layouts, splits, colls, notes)
+    states = {n: m.strategies[n][choice[n]].out for n in m.nodes}
+    return _BlockSolution(styles, layouts, splits, colls, notes, states)
 
 
 def _splits(m: _Model, n: str, ir: ModelIR) -> tuple[int, ...]:

@@ -85,6 +85,9 @@ class LayerCost:
     # partial sum over the sequence shards, all-reduced over tp with the gradients (collective_counts)
     sp_param_count: int = 0
     sp_param_elems: float = 0.0
+    # fp32 bytes of the logits a cross-entropy loss reads (the loss layer; sequence x vocabulary): its backward's
+    # temporaries are a few tensors of that size (memory.loss_backward_bytes)
+    loss_logits_bytes: float = 0.0
     # the vocabulary of a layer priced as vocabulary-parallel (embedding, head, loss); a tp that does not divide it
     # leaves the layer replicated (for_tp)
     vocab_size: int = 0
@@ -318,6 +321,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         sp_param_count=sp_count,
         sp_param_elems=sp_elems,
         vocab_size=ir.vocab_size if kind in ("embedding", "head", "loss") else 0,
+        loss_logits_bytes=float(FP32_BYTES * ir.seq_len * ir.vocab_size) if kind == "loss" else 0.0,
         model_flops=layer.flops_matmul + layer.flops_attention,
         expert_params=routed,
         dispatch_bytes=dispatch,
@@ -588,4 +592,5 @@ _TOKEN_FIELDS = (
     "sp_gather_bytes",
     "dispatch_bytes",
     "kv_bytes",
+    "loss_logits_bytes",
 )

@@ -13,7 +13,9 @@ Activations per block and in-flight micro-batch (Korthikanti et al. 2022, Table 
   none:      sharded/tp + replicated (÷tp with sequence parallelism)          = sbh(10 + 24/t + 5as/(ht)) for GPT
   selective: the same minus the attention core (attn_core/tp)                 = sbh·34/t with SP
   full:      the block input only (÷tp with SP)                               = 2sbh (÷t with SP)
-Full recompute also needs one block's full activations while it is recomputed: `working_bytes`.
+Full recompute also needs one block's full activations while it is recomputed: `working_bytes`. The last stage's
+peak is in the loss's backward, which holds fp32 temporaries of the logits' size beside the saved log-probabilities
+(`loss_backward_bytes`; 2 or 3 of them, by the kernels mlm-run calls).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ MASTER_BYTES = 4.0  # fp32 master weights (FSDP2's sharded parameter under Mixed
 GRAD_BYTES = 4.0  # fp32 gradients (FSDP2 reduce_dtype, Megatron main_grad)
 ADAM_BYTES = 8.0  # Adam's two fp32 moments
 OPTIMIZER_BYTES = MASTER_BYTES + ADAM_BYTES  # what ZeRO-1 shards in the ZeRO paper's accounting
+# Tensors of the (local) fp32 logits' size that a cross-entropy backward allocates at once, beside the saved
+# log-probabilities (which the activations count). aten: nll_loss_backward's dense gradient of the log-probabilities
+# and log_softmax_backward's gradient of the logits. torch's loss_parallel (a vocabulary-parallel head,
+# torch/distributed/tensor/parallel/loss.py): (zeros_like(x) + exp(x)) * grad, three at once.
+LOSS_BACKWARD_TEMPS = 2
+VOCAB_PARALLEL_LOSS_BACKWARD_TEMPS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,3 +126,10 @@ def working_bytes(
 ) -> float:
     """Transient activations of the block being recomputed under full recompute (once per GPU)."""
     return activation_bytes(block, "none", tp, sp, micro_batch, gathered_inputs) if recompute == "full" else 0.0
+
+
+def loss_backward_bytes(post: LayerCost, vocab_shards: int, micro_batch: int) -> float:
+    """Transient bytes of the loss's backward on the last stage, once per GPU (one micro-batch's backward runs at a
+    time): a vocabulary-parallel loss (vocab_shards > 1) on its shard of the logits, else on the whole logits."""
+    temps = VOCAB_PARALLEL_LOSS_BACKWARD_TEMPS if vocab_shards > 1 else LOSS_BACKWARD_TEMPS
+    return micro_batch * temps * post.loss_logits_bytes / vocab_shards

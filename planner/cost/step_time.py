@@ -81,6 +81,7 @@ from mlm.planner.cost.memory import (
     MemoryBreakdown,
     activation_bytes,
     local_params,
+    loss_backward_bytes,
     state_bytes,
     working_bytes,
     zero3_buffer_bytes,
@@ -258,7 +259,7 @@ class StageCoefficients:
     block_acts_bytes: tuple[float, ...] = ()
     block_acts_recompute_bytes: tuple[float, ...] = ()
     recompute_working_bytes: float = 0.0  # full recompute's working block, part of fixed_bytes (see above)
-    stage_buffer_bytes: tuple[float, ...] = ()  # pipeline_buffer_bytes: each virtual stage's, block-independent
+    stage_buffer_bytes: tuple[float, ...] = ()  # stage_buffer_bytes: each virtual stage's, block-independent
 
 
 def balanced_blocks(num_blocks: int, stages: int) -> tuple[int, ...]:
@@ -500,6 +501,20 @@ def pipeline_buffer_bytes(
     return tuple(each * ((i > 0) + (i < stages - 1)) for i in range(stages))
 
 
+def stage_buffer_bytes(
+    inputs: ModelCostInputs, layout: Layout, options: CostOptions = CostOptions()
+) -> tuple[float, ...]:
+    """Per virtual stage, the bytes it holds at its peak that no block decides: its pipeline receive buffers and,
+    on the last stage, the loss backward's temporaries (one micro-batch's, memory.loss_backward_bytes) beyond the
+    ZeRO-3 gather buffer the rank already counts: FSDP2 holds no gathered block while the loss runs backward (the
+    dry run measures the two at different moments), so the peak has the larger of them, not both."""
+    out = list(pipeline_buffer_bytes(inputs, layout, options))
+    loss = loss_backward_bytes(inputs.post, vocab_shards(inputs, layout.tp), layout.micro_batch)
+    gather_buffer = _rank_wide_bytes(inputs, layout, options.sp_saves_gathered_inputs)[0]
+    out[-1] += max(loss - gather_buffer, 0.0)
+    return tuple(out)
+
+
 def _check(inputs: ModelCostInputs, layout: Layout, assignment: StageAssignment) -> None:
     stages = layout.pp * layout.vpp
     if layout.cp < 1 or layout.ep < 1 or (layout.dp * layout.cp) % layout.ep:
@@ -553,7 +568,7 @@ def evaluate(
     p_post += inputs.tied_params / vocab_shards(inputs, tp) if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
     buffer, working = _rank_wide_bytes(inputs, layout, g)
-    buffers = pipeline_buffer_bytes(inputs, layout, options)
+    buffers = stage_buffer_bytes(inputs, layout, options)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
     stages: list[StageCost] = []
@@ -951,6 +966,6 @@ def stage_coefficients(
         fixed_bytes=fixed,
         capacity_bytes=gpu.hbm_gib * GIB - fixed,
         recompute_working_bytes=working,
-        stage_buffer_bytes=pipeline_buffer_bytes(inputs, layout, options),
+        stage_buffer_bytes=stage_buffer_bytes(inputs, layout, options),
         **each,
     )

@@ -143,3 +143,27 @@ def test_mixtral_8x7b_active_parameters_match_the_published_figures() -> None:
     assert ir.num_params / 1e9 == pytest.approx(46.7, rel=0.005)
     assert ir.active_params / 1e9 == pytest.approx(12.9, rel=0.005)
     assert (ir.num_experts, ir.experts_top_k) == (8, 2)
+
+
+@pytest.mark.parametrize(
+    ("preset", "total_b", "active_b", "experts"),
+    [("mixtral-8x7b", 46.7, 12.9, (8, 2)), ("mixtral-8x22b", 141, 39, (8, 2)), ("qwen3-30b-a3b", 30.5, 3.3, (128, 8))],
+)
+def test_moe_presets_match_the_published_sizes(preset: str, total_b: float, active_b: float, experts: tuple) -> None:
+    """Mistral AI's announcements: 8x7B 46.7B total / 12.9B active, 8x22B 141B / 39B (2 of 8 experts per token);
+    Qwen3 Technical Report Table 2: 30.5B / 3.3B (8 of 128); the training FLOPs per token are 6·(active parameters
+    less the embedding table) plus attention, counted non-causal as the papers do (4·s·h forward FLOPs per token and
+    layer, times 3 with backward), within 5%."""
+    from mlm.planner.capture.presets.registry import PRESETS
+
+    seq = 512
+    ir = capture(load_model_spec(preset), seq_len=seq)
+    args = PRESETS[preset].args
+    assert ir.num_params / 1e9 == pytest.approx(total_b, rel=0.01)
+    assert ir.active_params / 1e9 == pytest.approx(active_b, rel=0.02)
+    assert (ir.num_experts, ir.experts_top_k) == experts
+    assert ir.head_dim == args.get("head_dim", args["dim"] // args["n_heads"])
+    per_token = 3 * sum(layer.flops_matmul + layer.flops_attention for layer in ir.layers) / seq
+    width = args["n_heads"] * ir.head_dim  # the attention's query width (not dim when head_dim is set)
+    hand = 6 * (ir.active_params - args["vocab_size"] * args["dim"]) + 12 * args["n_layers"] * seq * width
+    assert per_token == pytest.approx(hand, rel=0.05)

@@ -172,10 +172,26 @@ def calibrate(
 
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream
-    "megatron-core": CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap
-        dp_overlap=1.0, tp_overlap=1.0, sp_saves_gathered_inputs=False, pipeline_buffers_every_microbatch=False
+    "megatron-core": CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap, ring CP
+        dp_overlap=1.0,
+        tp_overlap=1.0,
+        sp_saves_gathered_inputs=False,
+        pipeline_buffers_every_microbatch=False,
+        cp_overlap=1.0,
+    ),
+    # NeMo 2.x performance recipes on Megatron-Core: as above, with grad_reduce_in_fp32 off (bf16 gradient buffer
+    # and reduction; the recipes' performance_optimizations set it)
+    "nemo": CostOptions(
+        dp_overlap=1.0,
+        tp_overlap=1.0,
+        sp_saves_gathered_inputs=False,
+        pipeline_buffers_every_microbatch=False,
+        cp_overlap=1.0,
+        grad_reduce_bytes=2.0,
+        grad_buffer_bytes=2.0,
     ),
     "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
+    "torch-te": CostOptions(cp_overlap=1.0),  # FSDP2 with TransformerEngine's ring attention for CP
     # MosaicML Composer FSDP (FULL_SHARD, prefetch), gradients reduce-scattered on every micro-batch;
     # mixed precision PURE reduces bf16 gradients, DEFAULT fp32
     "composer-fsdp-pure": CostOptions(zero3_reduce_every_microbatch=True),
@@ -207,6 +223,12 @@ class Measurement:
     attention: str
     tp: int
     pp: int
+    cp: int
+    ep: int
+    head_dim: int  # attention head width (hidden // heads unless the model sets it)
+    experts: int  # routed experts per MoE block (0: dense)
+    top_k: int
+    moe_ffn: int  # each expert's hidden size
     micro_batch: int | None
     vpp: int | None
     global_batch: int
@@ -219,11 +241,11 @@ class Measurement:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     def shape_key(self) -> tuple:
         return (self.arch, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.seq,
-                self.attention)  # fmt: skip
+                self.attention, self.head_dim, self.experts, self.top_k, self.moe_ffn)  # fmt: skip
 
     def published_step_s(self) -> float:
         """The published figure as seconds per step."""
@@ -240,18 +262,30 @@ class Measurement:
 
 
 def megatron_model_flops(m: Measurement) -> float:
-    """Megatron-LM's num_floating_point_operations per step (no recompute): 12·B·s·l·h²·((1 + g/n + s/h)
-    + ffn/h·gated + V/(2·l·h)), gated = 1.5 for SwiGLU (llama), g/n the kv-head ratio."""
-    gated = 1.5 if m.arch == "llama" else 1.0
-    attn = 1 + m.kv_heads / m.heads + m.seq / m.hidden
+    """Megatron-LM's num_floating_point_operations per step (no recompute): 12·B·s·l·h²·((1 + g/n + s/h)·q/h
+    + ffn/h·gated + V/(2·l·h)), gated = 1.5 for SwiGLU (llama, qwen3), g/n the kv-head ratio, q/h the query width
+    (heads·head_dim) over hidden; in an MoE block the MLP term is top_k experts of moe_ffn (the router is not
+    counted)."""
+    gated = 1.5 if m.arch in GATED_ARCHS else 1.0
+    attn = (1 + m.kv_heads / m.heads + m.seq / m.hidden) * m.heads * m.head_dim / m.hidden
+    mlp = m.top_k * m.moe_ffn if m.experts else m.ffn
     return (
         12.0 * m.global_batch * m.seq * m.layers * m.hidden**2
-        * (attn + m.ffn / m.hidden * gated + m.vocab / (2 * m.layers * m.hidden))
+        * (attn + mlp / m.hidden * gated + m.vocab / (2 * m.layers * m.hidden))
     )  # fmt: skip
+
+
+GATED_ARCHS = ("llama", "qwen3")  # SwiGLU MLPs; "nemotron": squared ReLU; "gpt", "mpt": GELU
 
 
 def _opt_int(x: str) -> int | None:
     return int(x) if x.strip() else None
+
+
+def _int_or(r: dict[str, str], key: str, default: int) -> int:
+    """An optional column (cp, ep and the MoE shape were added later; older files leave them out)."""
+    value = (r.get(key) or "").strip()
+    return int(value) if value else default
 
 
 def read_measurements(path: Path) -> list[Measurement]:
@@ -286,6 +320,12 @@ def read_measurements(path: Path) -> list[Measurement]:
                 attention=r["attention"],
                 tp=int(r["tp"]),
                 pp=int(r["pp"]),
+                cp=_int_or(r, "cp", 1),
+                head_dim=_int_or(r, "head_dim", int(r["hidden"]) // int(r["heads"])),
+                ep=_int_or(r, "ep", 1),
+                experts=_int_or(r, "experts", 0),
+                top_k=_int_or(r, "top_k", 0),
+                moe_ffn=_int_or(r, "moe_ffn", int(r["ffn"])),
                 micro_batch=_opt_int(r["micro_batch"]),
                 vpp=_opt_int(r["vpp"]),
                 global_batch=int(r["global_batch"]),
@@ -302,16 +342,20 @@ def read_measurements(path: Path) -> list[Measurement]:
 
 def capture_measurement(m: Measurement) -> ModelCostInputs:
     """Summarised IR of a row's model: the GPT preset (Megatron-LM 2021 kernels when attention is manual; no
-    biases for arch "mpt") or the Llama preset, with the row's shape."""
+    biases for arch "mpt") or the Llama preset (arch "llama"; "qwen3" adds q/k norms, "nemotron" a squared-ReLU
+    MLP; routed experts where the row has them), with the row's shape."""
     from mlm.planner.capture.loader import load_model_spec
     from mlm.planner.capture.trace import capture
 
-    if m.arch == "llama":
+    if m.arch in ("llama", "qwen3", "nemotron"):
         args = dict(dim=m.hidden, n_layers=m.layers, n_heads=m.heads, n_kv_heads=m.kv_heads, vocab_size=m.vocab,
-                    ffn_dim=m.ffn, max_seq_len=m.seq)  # fmt: skip
+                    ffn_dim=m.ffn, max_seq_len=m.seq, head_dim=m.head_dim, qk_norm=m.arch == "qwen3",
+                    mlp="relu2" if m.arch == "nemotron" else "swiglu")  # fmt: skip
+        if m.experts:
+            args.update(n_experts=m.experts, top_k=m.top_k, moe_ffn_dim=m.moe_ffn)
         spec = load_model_spec("llama3-8b", args=args)
     else:
-        assert m.ffn == 4 * m.hidden, f"{m.name}: the GPT preset has a 4h MLP"
+        assert m.ffn == 4 * m.hidden and not m.experts, f"{m.name}: the GPT preset has a dense 4h MLP"
         args = dict(n_layer=m.layers, n_head=m.heads, n_embd=m.hidden, vocab_size=m.vocab, block_size=m.seq,
                     bias=m.arch != "mpt")  # fmt: skip
         if m.attention == "manual":
@@ -322,8 +366,8 @@ def capture_measurement(m: Measurement) -> ModelCostInputs:
 
 
 def measurement_layouts(m: Measurement, num_blocks: int) -> list[Layout]:
-    """The layouts a row allows: its tp/pp/dp/zero/SP pinned, micro-batch, schedule and recompute as given or
-    searched (micro-batch in MICRO_BATCHES, vpp dividing the blocks per stage)."""
+    """The layouts a row allows: its tp/pp/cp/ep/dp/zero/SP pinned, micro-batch, schedule and recompute as given
+    or searched (micro-batch in MICRO_BATCHES, vpp dividing the blocks per stage)."""
     dp = m.dp
     per_dp = m.global_batch // dp
     out = []
@@ -346,6 +390,8 @@ def measurement_layouts(m: Measurement, num_blocks: int) -> list[Layout]:
                         tp=m.tp,
                         pp=m.pp,
                         dp=dp,
+                        cp=m.cp,
+                        ep=m.ep,
                         micro_batch=mb,
                         num_microbatches=n,
                         vpp=vpp,

@@ -78,6 +78,7 @@ from mlm.planner.cost.collectives import (
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
 from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, summarize, vocab_shards
 from mlm.planner.cost.memory import (
+    GRAD_BYTES,
     MemoryBreakdown,
     activation_bytes,
     local_params,
@@ -134,6 +135,9 @@ class CostOptions:
         measured by mlm-run --dry-run); False: one reduce-scatter per step after gradient accumulation.
     grad_reduce_bytes: bytes per gradient element on the wire (mlm-run 4: fp32 reduction, FSDP2's reduce_dtype
         and DDP on fp32 gradients; Megatron-LM 2021: 2, fp16 all-reduce).
+    grad_buffer_bytes: bytes per parameter of the resident (unsharded under zero 0/1) gradient buffer: mlm-run 4,
+        fp32 gradients; Megatron-Core's DDP keeps its buffer in the parameters' bf16 (2) when
+        grad_reduce_in_fp32 is off, as NeMo's performance recipes set it.
     tp_overlap: fraction of tensor-parallel collective time hidden behind the block's GEMMs (Megatron-Core
         --tp-comm-overlap); 0 in mlm-run and in Megatron-LM 2021/2022.
     sp_saves_gathered_inputs: under SP the column-parallel linears' inputs are saved gathered (mlm-run: torch's
@@ -142,6 +146,9 @@ class CostOptions:
     pipeline_buffers_every_microbatch: the pipeline keeps a receive buffer per micro-batch and direction for the
         whole step (torch's PipelineStage, mlm-run); False: only the in-flight ones, which the activations already
         count (Megatron-LM allocates each receive as it runs).
+    cp_overlap: fraction of the layer's attention compute that hides context parallelism's K/V exchange (0 in
+        mlm-run, which all-gathers K/V before the attention; Megatron-Core's ring attention, cp_comm_type p2p,
+        sends the next chunk's K/V while the current one's attention runs, so up to all of it).
     """
 
     dp_overlap: float = 1.0
@@ -151,6 +158,8 @@ class CostOptions:
     tp_overlap: float = 0.0
     sp_saves_gathered_inputs: bool = True
     pipeline_buffers_every_microbatch: bool = True
+    cp_overlap: float = 0.0
+    grad_buffer_bytes: float = GRAD_BYTES
 
 
 MLM_RUN = CostOptions()
@@ -280,15 +289,15 @@ def _layer_times(
     gpu: GPUProfile,
     tp_link: Link,
     seq: int,
-    tp_overlap: float = 0.0,
+    options: CostOptions = MLM_RUN,
     cluster: ClusterProfile | None = None,
     moe_share: float = 1.0,
 ) -> _LayerTimes:
     """Forward, backward, exposed tp-collective and recompute time of one micro-batch through `layer`
-    (tp_overlap: the fraction of the collectives hidden behind this layer's GEMMs, at most their time), and the
-    expert all-to-alls and exposed ring K/V exchange (`cluster` needed when ep or cp > 1; `layer` already holds
-    one cp rank's share; moe_share: the fraction of the blocks averaged into `layer` that are MoE, whose
-    all-to-alls each carry dispatch_bytes / moe_share)."""
+    (options.tp_overlap: the fraction of the collectives hidden behind this layer's GEMMs, at most their time), and
+    the expert all-to-alls and exposed K/V exchange (options.cp_overlap: the fraction hidden behind the attention;
+    `cluster` needed when ep or cp > 1; `layer` already holds one cp rank's share; moe_share: the fraction of the
+    blocks averaged into `layer` that are MoE, whose all-to-alls each carry dispatch_bytes / moe_share)."""
     mb, tp, sp = layout.micro_batch, layout.tp, layout.sequence_parallel
     peak = gpu.bf16_tflops * 1e12
     gemm = 0.0
@@ -317,8 +326,13 @@ def _layer_times(
         extra = 0.0
     a2a_f, ep_s = _all_to_alls(layer, layout, cluster, moe_share)
     ring_f, cp_s = _context_exchange(layer, layout, cluster)
+    if options.cp_overlap > 0:  # each direction hidden up to the attention it runs beside
+        ring_b = cp_s - ring_f
+        ring_f = max(0.0, ring_f - options.cp_overlap * attn_f)
+        cp_s = ring_f + max(0.0, ring_b - options.cp_overlap * attn_b)
     if layout.recompute == "full":
         extra += a2a_f + ring_f
+    tp_overlap = options.tp_overlap
     tp_total = tp_f + tp_b + _tp_fixed(layer, layout, tp_link)
     tp_exposed = tp_total - min(tp_overlap * tp_total, 3.0 * gemm) if tp_overlap > 0 else tp_total
     return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra, ep_s, cp_s)
@@ -412,14 +426,14 @@ def _block_terms(
     gpu: GPUProfile,
     tp_link: Link,
     seq: int,
-    tp_overlap: float,
+    options: CostOptions,
     cluster: ClusterProfile,
-    gathered: bool = True,
 ) -> tuple[tuple[_BlockTerms, ...], tuple[int, ...]]:
     """Each distinct block's terms and every block's index into them. Identical blocks: one entry, the block
     (`inputs.block`, its all-to-alls spread by moe_share); differing blocks (dense-then-MoE, sliding/full
     attention, encoder/decoder): each kind priced as itself."""
     tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
+    gathered = options.sp_saves_gathered_inputs
     uniform = inputs.uniform_blocks
     kinds, kind_of = ((inputs.block,), (0,) * inputs.num_blocks) if uniform else inputs.block_kinds
     share = moe_share(inputs) if uniform else 1.0
@@ -428,7 +442,7 @@ def _block_terms(
         params, experts = rank_params(c, tp, layout.ep)
         terms.append(
             _BlockTerms(
-                _layer_times(c, layout, gpu, tp_link, seq, tp_overlap, cluster, share),
+                _layer_times(c, layout, gpu, tp_link, seq, options, cluster, share),
                 params,
                 experts,
                 activation_bytes(c, "none", tp, sp, mb, gathered),
@@ -553,14 +567,13 @@ def evaluate(
     tp_link = group_link(cluster, tp, 1)
     seq = max(1, inputs.seq_len // layout.cp)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
-    o = options.tp_overlap
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, options, cluster)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, options, cluster)
     p2p = _p2p_time(inputs, layout, cluster, tp_link)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
     g = options.sp_saves_gathered_inputs
-    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster, g)
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, options, cluster)
     a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb, g)
     a_post = activation_bytes(inputs.post, "none", tp, sp, mb, g)
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
@@ -591,7 +604,7 @@ def evaluate(
                 )
                 params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
-        static = stage_state_bytes(params, experts, layout)
+        static = stage_state_bytes(params, experts, layout, options.grad_buffer_bytes)
         memory = MemoryBreakdown(
             static.params + (buffer if rank_wide else 0.0),
             static.grads,
@@ -639,14 +652,15 @@ def rank_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
     return (layer.params_sharded - layer.expert_params) / tp + layer.params_replicated + experts, experts
 
 
-def stage_state_bytes(params: float, experts: float, layout: Layout) -> MemoryBreakdown:
+def stage_state_bytes(params: float, experts: float, layout: Layout, grad_bytes: float = GRAD_BYTES) -> MemoryBreakdown:
     """Parameter, gradient and optimizer bytes of `params` local parameters, `experts` of them routed experts:
-    the dense part sharded (per zero) over the dp·cp ranks, the experts over the dp·cp/ep that hold them."""
+    the dense part sharded (per zero) over the dp·cp ranks, the experts over the dp·cp/ep that hold them;
+    gradients of `grad_bytes` each (CostOptions.grad_buffer_bytes)."""
     pipelined, zero = layout.pp > 1, layout.zero
-    per = state_bytes(1.0, zero, layout.dp * layout.cp, pipelined)
+    per = state_bytes(1.0, zero, layout.dp * layout.cp, pipelined, grad_bytes)
     if layout.ep == 1:
         return MemoryBreakdown(params * per.params, params * per.grads, params * per.optimizer)
-    per_e = state_bytes(1.0, zero, layout.expert_dp, pipelined)
+    per_e = state_bytes(1.0, zero, layout.expert_dp, pipelined, grad_bytes)
     dense = params - experts
     return MemoryBreakdown(
         dense * per.params + experts * per_e.params,
@@ -903,17 +917,16 @@ def stage_coefficients(
     seq = max(1, inputs.seq_len // layout.cp)
     tp_link = group_link(cluster, tp, 1)
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
-    o = options.tp_overlap
     g = options.sp_saves_gathered_inputs
-    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, o, cluster, g)
-    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, o, cluster)
-    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, o, cluster)
-    per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1).static
+    terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, options, cluster)
+    pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, options, cluster)
+    post = _layer_times(inputs.post, plain, gpu, tp_link, seq, options, cluster)
+    per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1, options.grad_buffer_bytes).static
 
     def static(params: float, experts: float) -> float:
         if layout.ep == 1:
             return per_param * params
-        return stage_state_bytes(params, experts, layout).static
+        return stage_state_bytes(params, experts, layout, options.grad_buffer_bytes).static
 
     def edge_static(layer: LayerCost, extra: float = 0.0) -> float:
         params, experts = rank_params(layer, tp, layout.ep)

@@ -2,7 +2,10 @@
 
 Sources: GPT-2 124M (Radford et al. 2019, nanoGPT's config); GPT-3 175B (Brown et al. 2020, Table 2.1, with
 V=51200 and s=2048 as in Narayanan et al. 2021); Llama 3 8B/70B/405B (Llama Team 2024, "The Llama 3 Herd of
-Models", Table 3); megatron-* are the rows of Narayanan et al. 2021 Table 1 (s=2048, V=51200).
+Models", Table 3); megatron-* are the rows of Narayanan et al. 2021 Table 1 (s=2048, V=51200); Mixtral 8x7B and
+8x22B (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088, Table 1, and the released configs: 8 SwiGLU
+experts, top-2, rope theta 1e6); Qwen3-30B-A3B (Qwen Team 2025, "Qwen3 Technical Report", arXiv:2505.09388, Table 2,
+and the released config: 48 layers, 32 query / 4 kv heads of 128, 128 experts of 768, top-8, q/k RMSNorm).
 """
 
 from __future__ import annotations
@@ -53,6 +56,61 @@ PRESETS: dict[str, Preset] = {
     "llama3-8b": _llama(4096, 32, 32, 14336, 512, "8B"),
     "llama3-70b": _llama(8192, 80, 64, 28672, 1024, "70B"),
     "llama3-405b": _llama(16384, 126, 128, 53248, 2048, "405B"),
+    "mixtral-8x7b": Preset(
+        "llama.py",
+        dict(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=8,
+            vocab_size=32000,
+            ffn_dim=14336,
+            rope_theta=1e6,
+            max_seq_len=32768,
+            n_experts=8,
+            top_k=2,
+        ),
+        256,
+        "Mixtral 8x7B (Jiang et al. 2024): 46.7B parameters, 12.9B active, 8 experts top-2",
+    ),
+    "mixtral-8x22b": Preset(
+        "llama.py",
+        dict(
+            dim=6144,
+            n_layers=56,
+            n_heads=48,
+            n_kv_heads=8,
+            vocab_size=32768,
+            ffn_dim=16384,
+            rope_theta=1e6,
+            max_seq_len=65536,
+            n_experts=8,
+            top_k=2,
+        ),
+        256,
+        "Mixtral 8x22B (Mistral AI 2024): 141B parameters, 39B active, 8 experts top-2",
+    ),
+    "qwen3-30b-a3b": Preset(
+        "llama.py",
+        dict(
+            dim=2048,
+            n_layers=48,
+            n_heads=32,
+            n_kv_heads=4,
+            head_dim=128,
+            qk_norm=True,
+            vocab_size=151936,
+            ffn_dim=6144,
+            norm_eps=1e-6,
+            rope_theta=1e6,
+            max_seq_len=40960,
+            n_experts=128,
+            top_k=8,
+            moe_ffn_dim=768,
+        ),
+        512,
+        "Qwen3-30B-A3B (Qwen Team 2025): 30.5B parameters, 3.3B active, 128 experts top-8",
+    ),
     "megatron-1.7b": _megatron(24, 2304, 24, 512, "1.7B"),
     "megatron-3.6b": _megatron(32, 3072, 30, 512, "3.6B"),
     "megatron-7.5b": _megatron(32, 4096, 36, 512, "7.5B"),

@@ -5,7 +5,9 @@ python benchmarks/fit_profiles.py [--gpu NAME ...] [--write] [--markdown] [--lea
 For each GPU profile with rows in profiles/calibration/*.csv (mlm.planner.cost.calibration.read_measurements):
 the factor f on the profile's prior GEMM and attention curves ([calibration] table) that minimises the mean over
 sources of the mean |throughput error| on the rows marked train; then every row (train and test) predicted at f,
-per source the held-out mean / worst |error|. --write puts f, the scaled curves and the held-out errors into the
+per source the held-out mean / worst |error|. Beside it, for each source with train rows of its own, the factor
+fitted on those rows alone and the source's held-out rows at it ("own": one calibration of that software stack
+carried over its other models, scales and layouts). --write puts f, the scaled curves and the held-out errors into the
 profile TOML (profiles/gpus/NAME.toml); tests/test_cost_fit.py re-runs this fit and checks the file agrees.
 """
 
@@ -23,19 +25,27 @@ from mlm.planner.cost.hardware import list_gpus, load_gpu
 GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
 
 
+def _own_errors(res: FitResult) -> dict[tuple[str, str], float]:
+    """(file, row name) -> signed error at the row's source's own factor."""
+    return {(p.measurement.file, p.measurement.name): p.error for _, ps in res.own.values() for p in ps}
+
+
 def print_fit(res: FitResult) -> None:
     print(f"\n== {res.gpu}: compute factor {res.factor:g} (curves = prior x factor)")
     print(
-        f"{'source':<38} {'row':<20} {'split':<5} {'tp':>2} {'pp':>3} {'dp':>4} {'mb':>2} {'vpp':>3} "
-        f"{'rc':<9} {'published s':>11} {'predicted s':>11} {'error':>7}"
+        f"{'source':<38} {'row':<26} {'split':<5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'dp':>4} {'mb':>2} "
+        f"{'vpp':>3} {'rc':<9} {'published s':>11} {'predicted s':>11} {'error':>7} {'own':>7}"
     )
+    own = _own_errors(res)
     for p in res.predictions:
         m, lo = p.measurement, p.layout
         flag = "" if p.fits else "  (no layout fits the memory model)"
+        mine = own.get((m.file, m.name))
+        mine_s = f"{100 * mine:>+6.1f}%" if mine is not None else f"{'':>7}"
         print(
-            f"{m.file[:-4]:<38} {m.name:<20} {m.split:<5} {lo.tp:>2} {lo.pp:>3} {lo.dp:>4} {lo.micro_batch:>2} "
-            f"{lo.vpp:>3} {lo.recompute:<9} {m.published_step_s():>11.3f} {p.predicted_step_s:>11.3f} "
-            f"{100 * p.error:>+6.1f}%{flag}"
+            f"{m.file[:-4]:<38} {m.name:<26} {m.split:<5} {lo.tp:>2} {lo.pp:>3} {lo.cp:>2} {lo.ep:>2} {lo.dp:>4} "
+            f"{lo.micro_batch:>2} {lo.vpp:>3} {lo.recompute:<9} {m.published_step_s():>11.3f} "
+            f"{p.predicted_step_s:>11.3f} {100 * p.error:>+6.1f}% {mine_s}{flag}"
         )
     for f in dict.fromkeys(p.measurement.file for p in res.predictions):
         for split in ("train", "test"):
@@ -47,6 +57,13 @@ def print_fit(res: FitResult) -> None:
                     f"  {f:<44} {split:<5} {len(errs):>2} rows  mean |error| {statistics.mean(errs):5.1f}%  "
                     f"worst {max(errs):5.1f}%"
                 )
+        if f in res.own:
+            factor, preds = res.own[f]
+            errs = [100 * abs(p.error) for p in preds if p.measurement.split == "test"]
+            print(
+                f"  {f:<44} own factor {factor:g} (its {sum(p.measurement.split == 'train' for p in preds)} train "
+                f"rows): test mean |error| {statistics.mean(errs):5.1f}%  worst {max(errs):5.1f}%"
+            )
 
 
 def markdown(res: FitResult) -> str:
@@ -55,14 +72,22 @@ def markdown(res: FitResult) -> str:
     for f in dict.fromkeys(p.measurement.file for p in res.predictions):
         preds = [p for p in res.predictions if p.measurement.file == f]
         out.append(f"\n#### {res.gpu}: `profiles/calibration/{f}` ({preds[0].measurement.source})\n")
-        out.append("| row | split | tp | pp | dp | mb | vpp | recompute | published s | predicted s | error |")
-        out.append("| --- | --- | --: | --: | --: | --: | --: | --- | --: | --: | --: |")
+        own = _own_errors(res)
+        own_head = " own factor |" if f in res.own else ""
+        out.append(
+            "| row | split | tp | pp | cp | ep | dp | mb | vpp | recompute | published s | predicted s | error |"
+            + own_head
+        )
+        rule = "| --- | --- | --: | --: | --: | --: | --: | --: | --: | --- | --: | --: | --: |"
+        out.append(rule + " --: |" * bool(own_head))
         for p in preds:
             m, lo = p.measurement, p.layout
             fit = "" if p.fits else " (no layout fits the memory model)"
+            mine = f" {100 * own[(m.file, m.name)]:+.1f}% |" if own_head else ""
             out.append(
-                f"| {m.name} | {m.split} | {lo.tp} | {lo.pp} | {lo.dp} | {lo.micro_batch} | {lo.vpp} | "
-                f"{lo.recompute} | {m.published_step_s():.3f} | {p.predicted_step_s:.3f} | {100 * p.error:+.1f}%{fit} |"
+                f"| {m.name} | {m.split} | {lo.tp} | {lo.pp} | {lo.cp} | {lo.ep} | {lo.dp} | {lo.micro_batch} | "
+                f"{lo.vpp} | {lo.recompute} | {m.published_step_s():.3f} | {p.predicted_step_s:.3f} | "
+                f"{100 * p.error:+.1f}%{fit} |{mine}"
             )
         for split in ("train", "test"):
             errs = [100 * abs(p.error) for p in preds if p.measurement.split == split]
@@ -70,6 +95,36 @@ def markdown(res: FitResult) -> str:
                 out.append(
                     f"\n{split}: {len(errs)} rows, mean |error| {statistics.mean(errs):.1f}%, worst {max(errs):.1f}%"
                 )
+        if f in res.own:
+            factor, mine_preds = res.own[f]
+            errs = [100 * abs(p.error) for p in mine_preds if p.measurement.split == "test"]
+            out.append(
+                f"\nat the source's own factor {factor:g} (fitted on its train rows): test mean |error| "
+                f"{statistics.mean(errs):.1f}%, worst {max(errs):.1f}%"
+            )
+    return "\n".join(out)
+
+
+def summary_markdown(fits: dict[str, FitResult]) -> str:
+    """One row per (GPU, source): its source, train and test rows, and the held-out mean / worst |error| at the
+    profile's factor and, where the source has train rows, at its own factor (the README's and docs' table)."""
+    out = [
+        "| GPU profile | source (file) | train rows | test rows | held out at the profile's factor: mean (worst) "
+        "| own factor | held out at the own factor: mean (worst) |",
+        "| --- | --- | --: | --: | --: | --: | --: |",
+    ]
+    for gpu, res in fits.items():
+        held, own = res.held_out(), res.held_out(own=True)
+        for f in dict.fromkeys(p.measurement.file for p in res.predictions):
+            rows = [p.measurement for p in res.predictions if p.measurement.file == f]
+            train = sum(m.split == "train" for m in rows)
+            n, mean, worst = held[f]
+            at_own = f"{own[f][1]:.1f}% ({own[f][2]:.1f}%)" if f in own else "-"
+            factor = f"{res.own[f][0]:g}" if f in res.own else "-"
+            out.append(
+                f"| {gpu} ({res.factor:g}) | {rows[0].source} (`{f}`) | {train} | {n} | {mean:.1f}% ({worst:.1f}%) "
+                f"| {factor} | {at_own} |"
+            )
     return "\n".join(out)
 
 
@@ -133,6 +188,7 @@ def main() -> None:
     args = ap.parse_args()
     names = args.gpu or list_gpus()
     fits: dict[str, FitResult] = {}
+    tables: list[str] = []
     for name in names:
         cal = load_gpu(name).calibration
         if cal is not None and cal.status == "transferred":
@@ -144,7 +200,7 @@ def main() -> None:
             continue
         fits[name] = res
         if args.markdown:
-            print(f"\n### {name}: compute factor {res.factor:g}\n" + markdown(res))
+            tables.append(f"\n### {name}: compute factor {res.factor:g}\n" + markdown(res))
             continue
         print_fit(res)
         if args.leave_source_out:
@@ -155,6 +211,8 @@ def main() -> None:
         print(f"  ({time.perf_counter() - start:.1f} s)")
         if args.write:
             print(f"  wrote {write_profile(res, _sources(res))}")
+    if args.markdown:
+        print(summary_markdown(fits) + "\n\n## Per-row tables\n" + "\n".join(tables))
     for name in list_gpus():  # profiles of the same chip take over the factor fitted for another
         cal = load_gpu(name).calibration
         if cal is None or cal.status != "transferred" or cal.transferred_from not in fits:

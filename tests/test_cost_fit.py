@@ -24,7 +24,8 @@ def test_every_row_is_cited_and_split_and_every_source_holds_rows_out():
         assert all(m.source.strip() and m.split in ("train", "test") for m in rows), path
         assert any(m.split == "test" for m in rows), f"{path.name}: no held-out rows"
         for m in rows:
-            assert m.gpus % (m.tp * m.pp) == 0 and m.global_batch % m.dp == 0, (path.name, m.name)
+            assert m.gpus % (m.tp * m.pp * m.cp) == 0 and m.global_batch % m.dp == 0, (path.name, m.name)
+            assert (m.dp * m.cp) % m.ep == 0 and (m.ep == 1 or m.experts > 0), (path.name, m.name)
             assert m.published_step_s() > 0
 
 
@@ -70,6 +71,21 @@ def test_refit_reproduces_the_profile(fits, name):
 
 
 @pytest.mark.parametrize("name", FITTED)
+def test_a_source_s_own_factor_is_fitted_on_its_own_train_rows_only(fits, name):
+    """The per-source factor sees only that source's train rows: moving every other source's rows cannot change it,
+    and a source without train rows has none (its rows are held out at the profile's factor only)."""
+    res = fits[name]
+    rows = [m for f in measurement_files() for m in read_measurements(f) if m.gpu == name]
+    for src, (_, preds) in res.own.items():
+        assert any(m.file == src and m.split == "train" for m in rows)
+        assert {p.measurement.file for p in preds} == {src}
+    smallest = min(res.own, key=lambda src: sum(m.file == src for m in rows))  # refit one source alone (captures)
+    alone = fit_gpu(load_gpu(name), [f for f in measurement_files() if f.name == smallest])
+    assert alone is not None and alone.own[smallest][0] == res.own[smallest][0]
+    assert all(any(m.file == f and m.split == "train" for m in rows) == (f in res.own) for f in {m.file for m in rows})
+
+
+@pytest.mark.parametrize("name", FITTED)
 def test_train_and_test_rows_are_disjoint_and_all_predicted(fits, name):
     res = fits[name]
     rows = [m for f in measurement_files() for m in read_measurements(f) if m.gpu == name]
@@ -78,5 +94,6 @@ def test_train_and_test_rows_are_disjoint_and_all_predicted(fits, name):
     assert len(set(keys)) == len(keys)
     for p in res.predictions:  # the row's pinned mesh is the one evaluated
         m, lo = p.measurement, p.layout
-        assert (lo.tp, lo.pp, lo.world_size, lo.global_batch, lo.zero) == (m.tp, m.pp, m.gpus, m.global_batch, m.zero)
+        pinned = (lo.tp, lo.pp, lo.cp, lo.ep, lo.world_size, lo.global_batch, lo.zero)
+        assert pinned == (m.tp, m.pp, m.cp, m.ep, m.gpus, m.global_batch, m.zero)
         assert lo.recompute in m.recompute and lo.sequence_parallel == m.sp

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import csv
 import importlib.resources
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -178,6 +178,7 @@ RUNTIMES = {
         sp_saves_gathered_inputs=False,
         pipeline_buffers_every_microbatch=False,
         cp_overlap=1.0,
+        fused_loss_backward=True,
     ),
     # NeMo 2.x performance recipes on Megatron-Core: as above, with grad_reduce_in_fp32 off (bf16 gradient buffer
     # and reduction; the recipes' performance_optimizations set it)
@@ -187,6 +188,7 @@ RUNTIMES = {
         sp_saves_gathered_inputs=False,
         pipeline_buffers_every_microbatch=False,
         cp_overlap=1.0,
+        fused_loss_backward=True,
         grad_reduce_bytes=2.0,
         grad_buffer_bytes=2.0,
     ),
@@ -485,15 +487,24 @@ def fit_factor(train: RowEvaluator, gpu: GPUProfile) -> float:
 
 @dataclass(frozen=True)
 class FitResult:
+    """The profile's factor and every row at it; and, for each source with train rows of its own, the factor fitted
+    on those rows alone and that source's rows at it (`own`): the software stack a source ran (its kernels, fusion,
+    framework overheads) moves achieved efficiency by tens of percent between sources on the same chip, so the
+    per-source fit asks whether the model's structure carries one calibration over a source's other models,
+    scales and layouts, as `mlm-calibrate` on a user's own runs does."""
+
     gpu: str
     factor: float
     predictions: list[RowPrediction]  # every row of every source, train and test
+    own: dict[str, tuple[float, list[RowPrediction]]] = field(default_factory=dict)
 
-    def held_out(self) -> dict[str, tuple[int, float, float]]:
-        """Per source file: test rows, mean and worst |error| in percent."""
+    def held_out(self, own: bool = False) -> dict[str, tuple[int, float, float]]:
+        """Per source file: test rows, mean and worst |error| in percent (own: at the source's own factor, only
+        sources that have one)."""
+        preds = [p for _, ps in self.own.values() for p in ps] if own else self.predictions
         out: dict[str, tuple[int, float, float]] = {}
-        for f in dict.fromkeys(p.measurement.file for p in self.predictions):
-            errs = [abs(p.error) for p in self.predictions if p.measurement.file == f and p.measurement.split == "test"]
+        for f in dict.fromkeys(p.measurement.file for p in preds):
+            errs = [abs(p.error) for p in preds if p.measurement.file == f and p.measurement.split == "test"]
             if errs:
                 out[f] = (len(errs), 100 * sum(errs) / len(errs), 100 * max(errs))
         return out
@@ -527,7 +538,14 @@ def fit_gpu(gpu: GPUProfile, files: list[Path] | None = None) -> FitResult | Non
         factor = fit_factor(everything.subset(train), gpu)
     else:
         factor = gpu.calibration.compute_factor if gpu.calibration else 1.0
-    return FitResult(gpu.name, factor, everything.predict(scaled_profile(gpu, factor)))
+    own: dict[str, tuple[float, list[RowPrediction]]] = {}
+    for src in dict.fromkeys(m.file for m in rows):
+        mine = [i for i, m in enumerate(rows) if m.file == src]
+        fit_rows = [i for i in mine if rows[i].split == "train"]
+        if fit_rows:
+            f = fit_factor(everything.subset(fit_rows), gpu)
+            own[src] = (f, everything.subset(mine).predict(scaled_profile(gpu, f)))
+    return FitResult(gpu.name, factor, everything.predict(scaled_profile(gpu, factor)), own)
 
 
 def leave_source_out(gpu: GPUProfile, files: list[Path] | None = None) -> dict[str, tuple[float, float, float]]:

@@ -138,6 +138,9 @@ class CostOptions:
     grad_buffer_bytes: bytes per parameter of the resident (unsharded under zero 0/1) gradient buffer: mlm-run 4,
         fp32 gradients; Megatron-Core's DDP keeps its buffer in the parameters' bf16 (2) when
         grad_reduce_in_fp32 is off, as NeMo's performance recipes set it.
+    fused_loss_backward: the loss's backward writes the logits' gradient in place over the fp32 softmax it saved
+        (Megatron-LM's vocabulary-parallel cross entropy, TransformerEngine's fused one): no temporaries of the
+        logits' size (False: mlm-run's aten kernels, memory.loss_backward_bytes).
     tp_overlap: fraction of tensor-parallel collective time hidden behind the block's GEMMs (Megatron-Core
         --tp-comm-overlap); 0 in mlm-run and in Megatron-LM 2021/2022.
     sp_saves_gathered_inputs: under SP the column-parallel linears' inputs are saved gathered (mlm-run: torch's
@@ -160,6 +163,7 @@ class CostOptions:
     pipeline_buffers_every_microbatch: bool = True
     cp_overlap: float = 0.0
     grad_buffer_bytes: float = GRAD_BYTES
+    fused_loss_backward: bool = False
 
 
 MLM_RUN = CostOptions()
@@ -523,6 +527,8 @@ def stage_buffer_bytes(
     ZeRO-3 gather buffer the rank already counts: FSDP2 holds no gathered block while the loss runs backward (the
     dry run measures the two at different moments), so the peak has the larger of them, not both."""
     out = list(pipeline_buffer_bytes(inputs, layout, options))
+    if options.fused_loss_backward:
+        return tuple(out)
     loss = loss_backward_bytes(inputs.post, vocab_shards(inputs, layout.tp), layout.micro_batch)
     gather_buffer = _rank_wide_bytes(inputs, layout, options.sp_saves_gathered_inputs)[0]
     out[-1] += max(loss - gather_buffer, 0.0)

@@ -2,7 +2,8 @@
 
 Models: tiny Hugging Face Qwen3-MoE (a dense first block, then 8 experts top-2; attention dropout 0.1), Mixtral
 (4 experts top-2, every block MoE) and DeepSeek-V3 (group-limited sigmoid routing, a shared expert, MLA), all with
-transformers 5's fused expert banks; and two hand-written MoEs whose experts are an nn.ModuleList called by the
+transformers 5's fused expert banks; the built-in Llama preset's MoE (the mixtral / qwen3 presets' code) at tiny
+size; and two hand-written MoEs whose experts are an nn.ModuleList called by the
 model's own loop (hand_moe.py: torch.where + index_add_, a shared expert; block_kinds.py: dense one-hot gating).
 Layouts: ep2 (dp2, zero 0 / 1 / 3), dp4 with ep2 (two groups of experts, each
 averaged over its own 2 holders) and pp2·dp2·ep2 (experts on both pipeline stages). The reference is one process on
@@ -23,6 +24,7 @@ import pytest
 from conftest import MODELS
 from test_runtime_harness import PARITY_ATOL, assert_params_match, merged, run_workers, train_runs, write_plan
 
+from mlm.planner.capture.presets import llama as llama_preset
 from mlm.planner.plan import load_plan
 from mlm.runtime.train import RunOptions
 
@@ -36,6 +38,12 @@ MODELS_FILE = {
     "mixtral": (MODELS / "block_kinds.py", "build_hf_moe", ["kind=mixtral"]),
     "hand": (MODELS / "hand_moe.py", "build_model", []),
     "onehot": (MODELS / "block_kinds.py", "build_dense_then_moe", ["dense=1", "moe=2", "shared=True"]),
+    # the built-in Llama preset's MoE (mixtral-8x7b, qwen3-30b-a3b) at tiny size: fused bank, softmax top-2 routing
+    "preset": (
+        Path(llama_preset.__file__),
+        "build_model",
+        ["dim=64", "n_layers=2", "n_heads=4", "n_kv_heads=2", "vocab_size=128", "ffn_dim=96", "n_experts=4"],
+    ),
 }
 # (model, optimizer, pins beyond --gpus): world 2, then world 4
 TWO = [
@@ -45,6 +53,7 @@ TWO = [
     ("mixtral", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
     ("hand", "sgd", ["--gpus", "2", "--ep", "2", "--zero", "3"]),
     ("onehot", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
+    ("preset", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "1"]),
 ]
 FOUR = [
     ("qwen3", "sgd", ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "0"]),

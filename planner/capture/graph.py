@@ -132,6 +132,9 @@ class LayerIR:
     module_type: str = ""  # class name of the layer's module
     block_kind: str = ""  # BlockKind.name for blocks ("" for other layers)
     moe: MoEIR | None = None  # the routed MoE module inside this layer, if any (its experts priced analytically)
+    # of flops_attention, the fused-kernel calls that compute every (query, key) block (a mask tensor, or not causal:
+    # masks.computes_every_block); the other fused calls are causal and execute half of their counted FLOPs
+    flops_attention_full: float = 0.0
     ops: nx.DiGraph | None = field(default=None, compare=False, repr=False, hash=False)
 
     @property

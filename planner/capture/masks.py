@@ -26,6 +26,24 @@ def sdpa_mask(node: torch.fx.Node) -> tuple[Any, bool]:
     return mask, bool(causal)
 
 
+def computes_every_block(node: torch.fx.Node) -> bool:
+    """Whether an attention kernel call does the work of every (query, key) pair: a mask tensor, or no causal flag
+    (torch's SDPA kernels apply a mask after computing the block; only is_causal without a mask lets the flash and
+    memory-efficient kernels skip the blocks above the diagonal, half the work)."""
+    name = op_name(node)
+    args, kwargs = node.args, node.kwargs
+
+    def arg(i: int, key: str, default: Any) -> Any:
+        return kwargs.get(key, args[i] if len(args) > i else default)
+
+    if "flash" in name:  # (q, k, v, dropout_p, is_causal, ...): no mask argument
+        return not arg(4, "is_causal", False)
+    if "efficient" in name or "cudnn" in name:  # (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal)
+        return arg(3, "attn_bias", None) is not None or not arg(6, "is_causal", False)
+    mask, causal = sdpa_mask(node)
+    return mask is not None or not causal
+
+
 def describe(allowed: torch.Tensor | None, causal_flag: bool) -> str:
     """'causal', 'full', 'sliding window W', 'masked' or 'masked (not evaluated)' for an (s_q, s_k) boolean
     matrix of allowed pairs (None: no mask evaluated)."""

@@ -36,6 +36,7 @@ from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
 from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp, ModelIR, MoEIR
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
+from mlm.planner.capture.masks import computes_every_block
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch
@@ -788,7 +789,7 @@ def _layer_ir(
     groups: list[BlockGroup],
     seq: int,
 ) -> LayerIR:
-    flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0}
+    flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0, "full": 0.0}
     moved = 0.0
     saved: dict[torch.fx.Node, None] = {}
     extra = {"S": 0.0, "R": 0.0, "core": 0.0}
@@ -803,6 +804,8 @@ def _layer_ir(
             flops["mm"] += c.flops  # implicit-GEMM kernels: priced at the GEMM rate, never split by tp
         elif c.kind in ("attention", "matmul"):
             flops["attn"] += c.flops
+            if c.kind == "attention" and computes_every_block(n):
+                flops["full"] += c.flops
         else:
             flops["elt"] += c.flops
             if c.kind == "embedding":
@@ -841,6 +844,7 @@ def _layer_ir(
         params=num_params,
         flops_matmul=flops["mm"],
         flops_attention=flops["attn"],
+        flops_attention_full=flops["full"],
         flops_elementwise=flops["elt"],
         bytes_moved=moved,
         activations=Activations(

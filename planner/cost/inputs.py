@@ -56,6 +56,9 @@ class LayerCost:
     gemms: tuple[Gemm, ...] = ()
     attn_flops: float = 0.0  # forward score and value products, counted non-causal (4·s²·h) as the papers do
     attn_materialized: bool = False  # seq x seq scores saved (manual attention): batched GEMMs, not a fused kernel
+    # of attn_flops, the fused calls that compute every (query, key) block (a mask tensor or no causal flag); the
+    # rest is causal and executes half of its counted FLOPs (graph.LayerIR.flops_attention_full)
+    attn_full_flops: float = 0.0
     head_dim: int = 0
     mem_sharded: float = 0.0
     mem_replicated: float = 0.0
@@ -299,6 +302,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         names=(layer.name,),
         gemms=gemms,
         attn_flops=layer.flops_attention,
+        attn_full_flops=layer.flops_attention_full,
         attn_materialized=a.attn_core > 0,
         head_dim=ir.hidden_size // max(ir.num_heads, 1),
         mem_sharded=layer.bytes_moved * (1.0 if vocab else mem_s),
@@ -577,6 +581,7 @@ def cp_share(inputs: ModelCostInputs, cp: int) -> ModelCostInputs:
 
 _TOKEN_FIELDS = (
     "attn_flops",
+    "attn_full_flops",
     "mem_sharded",
     "mem_replicated",
     "core_bytes",

@@ -5,9 +5,11 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
 
   GEMMs       2·m·k·n/tp FLOPs at gpu.gemm_efficiency((m·k·n/tp)^(1/3)), m = micro_batch·seq; backward = 2x
               forward (input and weight gradients have the same m·n·k, hence the same size and efficiency).
-  attention   fused kernels: the profile's convention, 7·b·h·s²·d fwd+bwd FLOPs (= 1.75x the IR's non-causal
-              forward count) at attention_efficiency(s), split 2:5 forward:backward; materialised scores (manual):
-              batched (s, s, d) GEMMs, backward 2x.
+  attention   fused kernels: the profile's convention, 7·b·h·s²·d fwd+bwd FLOPs for a causal call (= 1.75x the
+              IR's non-causal forward count: the kernels skip the blocks above the diagonal), twice that for a call
+              that computes every block (a mask tensor, or bidirectional: attn_full_flops), at
+              attention_efficiency(s), split 2:5 forward:backward; materialised scores (manual): batched (s, s, d)
+              GEMMs, backward 2x.
   memory-bound  bytes / (hbm_gbps · memory_bound_efficiency), tp-region bytes ÷tp, residual-stream bytes ÷tp only
               with sequence parallelism; backward moves 2x the forward bytes (reads saved input and grad, writes grad).
   tp comm     per block 2 all-reduces forward and 2 backward (Megatron's g and f), or all-gather + reduce-scatter
@@ -314,8 +316,9 @@ def _layer_times(
         if layer.attn_materialized:
             attn_f = flops / (peak * gpu.gemm_efficiency(gemm_size(seq, seq, max(layer.head_dim, 1))))
             attn_b = 2.0 * attn_f
-        else:
-            both = 1.75 * flops / (peak * gpu.attention_efficiency(seq))
+        else:  # fused kernels, forward + backward = 3.5 forwards, causal calls half of their counted FLOPs
+            executed = 0.5 * (flops + layer.attn_full_flops * mb / tp)
+            both = 3.5 * executed / (peak * gpu.attention_efficiency(seq))
             attn_f, attn_b = both * 2.0 / 7.0, both * 5.0 / 7.0
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency
     mem = mb * (layer.mem_sharded / tp + layer.mem_replicated / (tp if sp else 1)) / bandwidth

@@ -1,0 +1,47 @@
+"""Attention priced by the work its kernel executes: a causal call (is_causal, no mask) lets the flash and
+memory-efficient kernels skip the blocks above the diagonal, half the counted FLOPs; a mask tensor or a
+bidirectional call computes every (query, key) block. The model FLOPs (what MFU counts) are the same either way."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import MODELS
+
+from mlm.planner.capture.loader import load_model_spec
+from mlm.planner.capture.trace import capture
+from mlm.planner.cost.hardware import load_cluster, load_gpu
+from mlm.planner.cost.inputs import summarize
+from mlm.planner.cost.step_time import evaluate
+from mlm.planner.layout import Layout
+
+SEQ = 256
+
+
+def _ir(call: str):
+    return capture(load_model_spec(str(MODELS / "attention_calls.py"), args={"call": call}), seq_len=SEQ)
+
+
+@pytest.fixture(scope="module")
+def irs():
+    return {call: _ir(call) for call in ("causal", "mask", "full")}
+
+
+def test_every_call_counts_the_same_model_flops_and_flags_full_work(irs) -> None:
+    blocks = {call: [layer for layer in ir.layers if layer.flops_attention] for call, ir in irs.items()}
+    counted = {call: [layer.flops_attention for layer in b] for call, b in blocks.items()}
+    assert counted["causal"] == counted["mask"] == counted["full"] and len(counted["causal"]) == 2
+    assert [layer.flops_attention_full for layer in blocks["causal"]] == [0.0, 0.0]
+    for call in ("mask", "full"):
+        assert [layer.flops_attention_full for layer in blocks[call]] == counted[call]
+
+
+def test_a_kernel_that_computes_every_block_is_priced_above_the_causal_one(irs) -> None:
+    gpu, cluster = load_gpu("h100-sxm"), load_cluster("dgx-h100")
+    layout = Layout(micro_batch=4, num_microbatches=2)
+    step = {call: evaluate(summarize(ir), layout, gpu, cluster) for call, ir in irs.items()}
+    assert step["full"].breakdown["compute_s"] > step["causal"].breakdown["compute_s"]
+    assert step["mask"].breakdown["compute_s"] > step["causal"].breakdown["compute_s"]
+    # the model FLOPs per GPU, what MFU counts, do not depend on the kernel: throughput in them falls as time grows
+    for call in ("full", "mask"):
+        achieved = step[call].model_tflops_per_gpu * step[call].step_time_s
+        assert achieved == pytest.approx(step["causal"].model_tflops_per_gpu * step["causal"].step_time_s)

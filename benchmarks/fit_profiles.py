@@ -19,10 +19,15 @@ import statistics
 import time
 from pathlib import Path
 
-from mlm.planner.cost.calibration import FitResult, fit_gpu, leave_source_out, sources_sha256
+from mlm.planner.cost.calibration import FitResult, RowPrediction, fit_gpu, leave_source_out, sources_sha256
 from mlm.planner.cost.hardware import list_gpus, load_gpu
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
+
+
+def _recompute(p: RowPrediction) -> str:
+    """The row's recompute, with the blocks recomputed per stage when not all of them."""
+    return p.layout.recompute if p.recomputed is None else f"{p.layout.recompute}:{p.recomputed}"
 
 
 def _own_errors(res: FitResult) -> dict[tuple[str, str], float]:
@@ -44,7 +49,7 @@ def print_fit(res: FitResult) -> None:
         mine_s = f"{100 * mine:>+6.1f}%" if mine is not None else f"{'':>7}"
         print(
             f"{m.file[:-4]:<38} {m.name:<26} {m.split:<5} {lo.tp:>2} {lo.pp:>3} {lo.cp:>2} {lo.ep:>2} {lo.dp:>4} "
-            f"{lo.micro_batch:>2} {lo.vpp:>3} {lo.recompute:<9} {m.published_step_s():>11.3f} "
+            f"{lo.micro_batch:>2} {lo.vpp:>3} {_recompute(p):<9} {m.published_step_s():>11.3f} "
             f"{p.predicted_step_s:>11.3f} {100 * p.error:>+6.1f}% {mine_s}{flag}"
         )
     for f in dict.fromkeys(p.measurement.file for p in res.predictions):
@@ -86,7 +91,7 @@ def markdown(res: FitResult) -> str:
             mine = f" {100 * own[(m.file, m.name)]:+.1f}% |" if own_head else ""
             out.append(
                 f"| {m.name} | {m.split} | {lo.tp} | {lo.pp} | {lo.cp} | {lo.ep} | {lo.dp} | {lo.micro_batch} | "
-                f"{lo.vpp} | {lo.recompute} | {m.published_step_s():.3f} | {p.predicted_step_s:.3f} | "
+                f"{lo.vpp} | {_recompute(p)} | {m.published_step_s():.3f} | {p.predicted_step_s:.3f} | "
                 f"{100 * p.error:+.1f}%{fit} |{mine}"
             )
         for split in ("train", "test"):

@@ -64,3 +64,32 @@ def test_worst_row(rows):
 def test_trend_small_to_large(rows):
     """The paper's throughput rises from the 1.7B to the 1T model; the model must not invert that."""
     assert rows[-1].predicted_tflops > rows[0].predicted_tflops
+
+
+def test_a_row_without_published_recompute_recomputes_the_fewest_blocks_that_fit():
+    """Recompute "any" (not published) allows Megatron-LM's --recompute-num-layers: the count chosen per virtual
+    stage fits the memory model and one block fewer does not (nor does no recompute at all)."""
+    from mlm.planner.cost.calibration import RUNTIMES, fewest_recomputed
+    from mlm.planner.cost.hardware import load_cluster, load_gpu
+    from mlm.planner.cost.step_time import StageAssignment, balanced_blocks, evaluate
+    from mlm.planner.layout import Layout
+
+    args = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_dim=14336, max_seq_len=8192)
+    inputs = summarize(capture(load_model_spec("llama3-8b", args=args), seq_len=8192))
+    gpu, cluster, opts = load_gpu("h100-sxm"), load_cluster("dgx-h100"), RUNTIMES["megatron-core"]
+    found = {}
+    for dp in (4, 8, 64):  # more optimizer sharding, fewer blocks to recompute
+        layout = Layout(dp=dp, micro_batch=1, num_microbatches=4, recompute="full", zero=1)
+        counts = balanced_blocks(inputs.num_blocks, 1)
+        got = fewest_recomputed(inputs, layout, gpu, cluster, opts)
+        assert got is not None and got[0] == layout
+        k = got[1] if got[1] is not None else counts[0]
+        fits = [evaluate(inputs, layout, gpu, cluster, StageAssignment(counts, (j,)), opts).fits for j in (k - 1, k)]
+        assert fits == [False, True], (dp, k)
+        found[dp] = k
+    assert found[4] >= found[8] >= found[64] and found[4] > found[64]
+    too_big = Layout(dp=2, micro_batch=1, num_microbatches=4, recompute="full", zero=1)
+    assert fewest_recomputed(inputs, too_big, gpu, cluster, opts) is None  # not even recomputing every block fits
+    whole = fewest_recomputed(inputs, Layout(dp=8, micro_batch=1, num_microbatches=4, recompute="full", zero=1),
+                              gpu, cluster, opts, partial=False)  # fmt: skip
+    assert whole is not None and whole[1] is None  # a source that recomputed every block: all of them

@@ -35,7 +35,15 @@ from mlm.planner.capture.presets.gpt import GPT, CausalSelfAttention, GPTConfig
 from mlm.planner.capture.presets.registry import PRESETS
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile
 from mlm.planner.cost.inputs import ModelCostInputs
-from mlm.planner.cost.step_time import MEGATRON_2021, CostOptions, Evaluation, evaluate, summarize
+from mlm.planner.cost.step_time import (
+    MEGATRON_2021,
+    CostOptions,
+    Evaluation,
+    StageAssignment,
+    balanced_blocks,
+    evaluate,
+    summarize,
+)
 from mlm.planner.layout import Layout
 
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -411,6 +419,7 @@ class RowPrediction:
     layout: Layout
     predicted_step_s: float
     fits: bool  # False: no allowed layout fits the memory model; the fastest one is reported anyway
+    recomputed: int | None = None  # recompute "full": blocks recomputed per virtual stage (None: all of them)
 
     @property
     def error(self) -> float:
@@ -431,6 +440,32 @@ def scaled_profile(gpu: GPUProfile, factor: float) -> GPUProfile:
     )
 
 
+Candidate = tuple[Layout, int | None]  # a layout and, under recompute "full", the blocks recomputed per stage
+
+
+def fewest_recomputed(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    options: CostOptions,
+    partial: bool = True,
+) -> Candidate | None:
+    """Under recompute "full", the fewest blocks per virtual stage that must be recomputed for `layout` to fit
+    (Megatron-LM's --recompute-num-layers with the block method, as mlm-plan's stage MILP also chooses per stage;
+    recompute time only grows with the count, so the fewest that fit is the fastest); None when even all do not
+    fit. Other layouts, and every layout when not `partial` (a source that says it recomputed every block): the
+    layout itself when it fits."""
+    if layout.recompute != "full" or not partial:
+        return (layout, None) if evaluate(inputs, layout, gpu, cluster, options=options).fits else None
+    counts = balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
+    for k in range(1, max(counts) + 1):
+        assignment = StageAssignment(counts, tuple(min(k, c) for c in counts))
+        if evaluate(inputs, layout, gpu, cluster, assignment, options).fits:
+            return layout, (None if k >= max(counts) else k)
+    return None
+
+
 class RowEvaluator:
     """Predicts rows under a changing GPU profile; captures each model shape and checks memory only once."""
 
@@ -439,15 +474,17 @@ class RowEvaluator:
 
         self.rows = rows
         shapes: dict[tuple, ModelCostInputs] = {}
-        self._cands: list[tuple[ModelCostInputs, ClusterProfile, list[Layout], bool]] = []
+        self._cands: list[tuple[ModelCostInputs, ClusterProfile, list[Candidate], bool]] = []
         for m in rows:
             if m.shape_key() not in shapes:
                 shapes[m.shape_key()] = capture_measurement(m)
             inputs, cluster = shapes[m.shape_key()], load_cluster(m.cluster)
             layouts = measurement_layouts(m, inputs.num_blocks)
             assert layouts, f"{m.file}: no layout for row {m.name}"
-            fitting = [lo for lo in layouts if evaluate(inputs, lo, gpu, cluster, options=RUNTIMES[m.runtime]).fits]
-            self._cands.append((inputs, cluster, fitting or layouts, bool(fitting)))
+            options = RUNTIMES[m.runtime]
+            searched = m.recompute == RECOMPUTE_SEARCH  # "any": not published, so partial recompute is allowed
+            fitting = [c for lo in layouts if (c := fewest_recomputed(inputs, lo, gpu, cluster, options, searched))]
+            self._cands.append((inputs, cluster, fitting or [(lo, None) for lo in layouts], bool(fitting)))
 
     def subset(self, indices: list[int]) -> RowEvaluator:
         """The same evaluator restricted to some rows (no recapture)."""
@@ -457,12 +494,22 @@ class RowEvaluator:
 
     def predict(self, gpu: GPUProfile) -> list[RowPrediction]:
         out = []
-        for m, (inputs, cluster, layouts, fits) in zip(self.rows, self._cands):
+        for m, (inputs, cluster, cands, fits) in zip(self.rows, self._cands):
             opts = RUNTIMES[m.runtime]
-            best = min(((evaluate(inputs, lo, gpu, cluster, options=opts).step_time_s, lo) for lo in layouts),
-                       key=lambda t: t[0])  # fmt: skip
-            out.append(RowPrediction(m, best[1], best[0], fits))
+            best = min(
+                ((evaluate(inputs, lo, gpu, cluster, _assignment(inputs, lo, k), opts).step_time_s, lo, k)
+                 for lo, k in cands),
+                key=lambda t: t[0],
+            )  # fmt: skip
+            out.append(RowPrediction(m, best[1], best[0], fits, best[2]))
         return out
+
+
+def _assignment(inputs: ModelCostInputs, layout: Layout, recomputed: int | None) -> StageAssignment | None:
+    if recomputed is None:
+        return None
+    counts = balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
+    return StageAssignment(counts, tuple(min(recomputed, c) for c in counts))
 
 
 def objective(preds: list[RowPrediction]) -> float:

@@ -75,9 +75,9 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ep",
         type=int,
-        default=1,
-        help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 1 because "
-        "mlm-run runs ep > 1 only with tp 1 (pin --ep N --tp 1); 0 = search it",
+        default=0,
+        help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 0 = search "
+        "it, with tp 1 wherever ep > 1 (what mlm-run runs); a dense model gets 1",
     )
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP solver (default cbc)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per MILP, seconds")

@@ -52,9 +52,9 @@ Group = tuple[int, int, int, int, int, int]  # tp, pp, dp, cp, ep, zero
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the user asked for: GPU count, batch, and any pinned dimensions (None = search). cp and ep default
-    to 1, not to search: mlm-run does not run cp > 1 yet, and runs ep > 1 only with tp 1 (runtime/expert_parallel.py),
-    and a default plan must be one it runs."""
+    """What the user asked for: GPU count, batch, and any pinned dimensions (None = search). cp defaults to 1, not
+    to search: no measured cp run calibrates its cost. ep is searched (1 for a dense model), over the layouts mlm-run
+    runs: ep > 1 only with tp 1 (runtime/expert_parallel.py), so a default plan is one it runs."""
 
     num_gpus: int
     global_batch: int
@@ -62,7 +62,7 @@ class PlanRequest:
     pp: int | None = None
     dp: int | None = None
     cp: int | None = 1
-    ep: int | None = 1
+    ep: int | None = None
     micro_batch: int | None = None
     vpp: int | None = None
     recompute: str | None = None
@@ -768,12 +768,13 @@ def _cp_options(ir: ModelIR, request: PlanRequest, rest: int) -> list[int]:
     return [c for c in _divisors(rest) if c == 1 or ir.seq_len % (2 * c) == 0]
 
 
-def _ep_options(ir: ModelIR, request: PlanRequest, dp_cp: int) -> list[int]:
-    """Expert-parallel sizes: divisors of dp·cp dividing every MoE layer's experts (1 for a dense model)."""
+def _ep_options(ir: ModelIR, request: PlanRequest, dp_cp: int, tp: int) -> list[int]:
+    """Expert-parallel sizes: divisors of dp·cp dividing every MoE layer's experts (1 for a dense model); searched,
+    only with tp 1, as mlm-run runs expert parallelism (a pinned --ep is taken as asked)."""
     moe = _moe(ir)
     if request.ep:
         return [request.ep]
-    if not moe:
+    if not moe or tp > 1:
         return [1]
     return [e for e in _divisors(dp_cp) if all(m.num_experts % e == 0 for m in moe)]
 
@@ -789,7 +790,7 @@ def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Itera
                 dp = rest // (pp * cp)
                 if (request.dp and dp != request.dp) or request.global_batch % dp:
                     continue
-                for ep in _ep_options(ir, request, dp * cp):
+                for ep in _ep_options(ir, request, dp * cp, tp):
                     for zero in zeros:
                         if zero and dp * cp == 1:
                             continue  # nothing to shard over

@@ -84,3 +84,18 @@ def test_every_pinned_field_holds_in_the_plan(preset: str, gpus: int, batch: int
         for cand in outcome.result.ranked if outcome.result else []:
             assert all(getattr(cand.layout, k) == v for k, v in pins.items()), (pins, cand.layout.describe())
     assert planned >= 4
+
+
+def test_expert_parallelism_is_searched_only_where_mlm_run_runs_it() -> None:
+    """A mixture-of-experts model planned without --ep: ep is searched (not pinned), and every layout the search
+    ranks with ep > 1 has tp 1 (mlm-run runs expert parallelism with tp 1); at 64 GPUs some ranked layout splits
+    the experts. A pinned --ep 2 --tp 2 is still taken as asked (the cost model prices it)."""
+    spec = load_model_spec("mixtral-8x7b")
+    ir = capture(spec, seq_len=4096)
+    outcome = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256), "h100-sxm", None)
+    assert "ep" not in outcome.plan.pinned
+    ranked = outcome.result.ranked if outcome.result else []
+    assert any(c.layout.ep > 1 for c in ranked)
+    assert all(c.layout.tp == 1 for c in ranked if c.layout.ep > 1)
+    pinned = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256, ep=2, tp=2), "h100-sxm", None)
+    assert (pinned.plan.layout.ep, pinned.plan.layout.tp) == (2, 2) and {"ep", "tp"} <= set(pinned.plan.pinned)

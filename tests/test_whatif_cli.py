@@ -38,18 +38,19 @@ def one_error_line(rc: int, err: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "model, gpus, tokens, tp, paper_days",
+    "model, gpus, tokens, pins, paper_days",
     [
-        ("gpt3-175b", 1024, "300e9", 4, 34.0),  # X = 140 TFLOP/s in the paper
-        ("megatron-1t", 3072, "450e9", 8, 84.0),  # X = 163 TFLOP/s
+        ("gpt3-175b", 1024, "300e9", ["--tp", "4"], 34.0),  # X = 140 TFLOP/s in the paper
+        # the paper's tp 8 and pp 64 pinned: searching pp at 3072 GPUs spends the stage MILPs' 60 s budget
+        ("megatron-1t", 3072, "450e9", ["--tp", "8", "--pp", "64"], 84.0),  # X = 163 TFLOP/s
     ],
 )
 def test_eq4_identity_at_mlms_own_rate(
-    model: str, gpus: int, tokens: str, tp: int, paper_days: float, capsys: pytest.CaptureFixture[str]
+    model: str, gpus: int, tokens: str, pins: list[str], paper_days: float, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """mlm's days equal Eq. 4 at mlm's achieved rate in the same FLOP accounting (6·T·P/(n·X) for model FLOPs,
     the paper's 8·T·P/(n·X) for recompute-inclusive X) up to the attention and logit FLOPs that 6·P omits."""
-    doc = run_json([model, "--gpus", str(gpus), "--tokens", tokens, "--tp", str(tp)], capsys)
+    doc = run_json([model, "--gpus", str(gpus), "--tokens", tokens, *pins], capsys)
     eq = doc["eq4"]
     print(
         f"\n{model}: mlm {eq['mlm_days']:.1f} days at {eq['mlm_tflops_per_gpu']:.0f} model TFLOP/s "

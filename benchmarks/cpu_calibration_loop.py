@@ -8,7 +8,11 @@ recompute runs; re-plan all six with the refitted profile. Prints predicted vs m
 first) before and after, the held-out error, and whether the predicted ranking of the six layouts matches the
 measured one (Kendall's tau). Step times are wall time: on a shared machine they include the other jobs' load.
 
-    python benchmarks/cpu_calibration_loop.py [--steps 6] [--workdir DIR]
+    python benchmarks/cpu_calibration_loop.py [--steps 6] [--workdir DIR] [--width 128] [--seq 128]
+
+--width / --seq set the GPT's hidden size (heads of 32) and sequence length: at the default 128 x 128 a GEMM takes
+microseconds and the frameworks' per-call costs (FSDP2 hooks, DTensor dispatch, gloo hand-offs), which the cost
+model does not price, dominate the tp and ZeRO-3 steps; at 512 x 256 compute dominates, as on the GPUs mlm plans for.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 1024}
 SEQ, BATCH, WORLD = 128, 8, 2
+HEAD_WIDTH = 32
 LAYOUTS = {  # name: pinned mlm-plan flags (2 processes, global batch 8)
     "dp": dict(tp=1, pp=1, dp=2, micro_batch=2, vpp=1, recompute="none", zero=0),
     "tp": dict(tp=2, pp=1, dp=1, micro_batch=4, vpp=1, recompute="none", zero=0),
@@ -43,10 +48,10 @@ def _mlm(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedPr
     return proc
 
 
-def plan(name: str, gpu: Path, out: Path, env: dict[str, str]) -> float:
+def plan(name: str, gpu: Path, out: Path, env: dict[str, str], model: dict[str, int], seq: int) -> float:
     """Plan one pinned layout with `gpu`; its predicted step time."""
-    argv = ["gpt2", "--seq-len", str(SEQ), "--gpus", str(WORLD), "--global-batch", str(BATCH), "--gpu", str(gpu)]
-    for k, v in MODEL.items():
+    argv = ["gpt2", "--seq-len", str(seq), "--gpus", str(WORLD), "--global-batch", str(BATCH), "--gpu", str(gpu)]
+    for k, v in model.items():
         argv += ["--model-arg", f"{k}={v}"]
     for k, v in LAYOUTS[name].items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
@@ -70,7 +75,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--width", type=int, default=MODEL["n_embd"], help="hidden size (heads of 32)")
+    p.add_argument("--seq", type=int, default=SEQ, help="sequence length")
     args = p.parse_args()
+    model = {**MODEL, "n_embd": args.width, "n_head": args.width // HEAD_WIDTH, "block_size": max(args.seq, 1024)}
     work = args.workdir or Path(tempfile.mkdtemp(prefix="mlm-cal-"))
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLM_CACHE_DIR": str(work / "cache")}
@@ -78,7 +86,7 @@ def main() -> None:
     _mlm("profile", "--quick", "--device", "cpu", "--out", str(cpu), env=env)
     before, meas = {}, {}
     for name in LAYOUTS:
-        before[name] = plan(name, cpu, work / f"{name}.json", env)
+        before[name] = plan(name, cpu, work / f"{name}.json", env, model, args.seq)
         log = work / f"{name}.jsonl"
         log.unlink(missing_ok=True)
         _mlm("run", str(work / f"{name}.json"), "--steps", str(args.steps), "--device", "cpu", "--log", str(log),
@@ -91,8 +99,9 @@ def main() -> None:
     refit = work / "cpu-refit.toml"
     cal = _mlm("calibrate", *(str(work / f"{n}.jsonl") for n in TRAIN), "--gpu", str(cpu), "--out", str(refit), env=env)
     print(cal.stderr.strip().splitlines()[-3] if cal.stderr else "")
-    after = {name: plan(name, refit, work / f"{name}-refit.json", env) for name in LAYOUTS}
-    print(f"\nfit on {', '.join(TRAIN)}; work dir {work}")
+    after = {name: plan(name, refit, work / f"{name}-refit.json", env, model, args.seq) for name in LAYOUTS}
+    shape = f"GPT {model['n_layer']} layers x {args.width} wide, seq {args.seq}"
+    print(f"\n{shape}; fit on {', '.join(TRAIN)}; work dir {work}")
     print(f"{'layout':12s} {'split':6s} {'measured':>10s} {'before':>10s} {'err':>8s} {'after':>10s} {'err':>8s}")
     for name in LAYOUTS:
         m, b, a = meas[name], before[name], after[name]

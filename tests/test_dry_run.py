@@ -329,3 +329,24 @@ def test_a_large_vocabulary_is_priced_as_it_runs(pins: tuple[str, ...], tmp_path
         assert peak == pytest.approx(want, rel=0.05 if last else 0.10), rank["memory_by_category"]
         if not last:
             assert rank["memory_by_category"]["temporaries"] < 32768 * 64 * 4
+
+
+def test_context_parallel_gathers_key_heads_as_the_kernel_receives_them(tmp_path: Path) -> None:
+    """Hugging Face Gemma 3 (grouped-query attention, sliding-window and full layers) passes SDPA a mask, so
+    transformers repeats K/V to the query's heads before the call and cp all-gathers the repeated heads: the cost
+    model prices the key heads the kernel receives (before: the model's kv heads, half the bytes measured)."""
+    from conftest import MODELS
+
+    out = tmp_path / "plan.json"
+    args = ["--entry", "build", "--model-arg", "family=gemma3", "--seq-len", "32", "--global-batch", "4"]
+    args += ["--micro-batch", "1", "--gpus", "2", "--cp", "2", "--dp", "1", "--tp", "1", "--pp", "1"]
+    args += ["--recompute", "none", "--zero", "0", "--out", str(out)]
+    proc = _cli("mlm.cli.plan", str(MODELS / "zoo_families.py"), *args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _cli("mlm.cli.run", str(out), "--dry-run", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rank,) = json.loads(proc.stdout)["ranks"]
+    measured, predicted = rank["collectives"], rank["predicted_collectives"]
+    for op in ("all_gather", "reduce_scatter"):  # the K/V exchange, forward and backward
+        assert measured[op]["count"] == predicted[op]["count"] > 0, op
+        assert measured[op]["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), op

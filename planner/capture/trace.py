@@ -38,7 +38,7 @@ from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp,
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
 from mlm.planner.capture.masks import computes_every_block
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
-from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, val
+from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, tensor_args, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch
 from mlm.planner.errors import ModelLoadError, TraceError
 
@@ -927,6 +927,13 @@ def _module_of(n: torch.fx.Node) -> str | None:
     return _strip_root(_clean_path(str(path))) or None
 
 
+def _key_heads(attention: torch.fx.Node) -> int:
+    """Heads of the key an attention call receives (0: not a (..., heads, seq, dim) key)."""
+    args = tensor_args(attention)
+    key = val(args[1]) if len(args) > 1 else None
+    return int(key.shape[-3]) if key is not None and key.dim() >= 3 else 0
+
+
 def _op_graph(
     nodes: list[torch.fx.Node],
     costs: dict[torch.fx.Node, OpCost],
@@ -940,7 +947,9 @@ def _op_graph(
     (the block's input), `constant` when the op does not depend on the batch (masks, rotary tables); `weight` the
     first parameter it reads, `params` (name, elements) of every parameter it reads; `saved` the bytes per sample
     autograd keeps of this op's output and its own extra tensors (a saved view's bytes go to the op it views; a
-    view or creation op's to no node: `saved` sums to at most the layer's Activations.total)."""
+    view or creation op's to no node: `saved` sums to at most the layer's Activations.total); an attention op's
+    `kv_heads`, the heads its key has as the kernel receives it (already repeated to the query's where the model
+    repeats them before the call, the model's kv heads where the kernel does: enable_gqa)."""
     saved = saved or {}
     g = nx.DiGraph()
     member = set(nodes)
@@ -962,6 +971,7 @@ def _op_graph(
             reads_input=_reads_outside(n, costs, member, inert),
             constant=n in inert,
             saved=saved.get(n.name, 0.0),
+            kv_heads=_key_heads(n) if c.kind == "attention" else 0,
         )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)

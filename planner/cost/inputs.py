@@ -334,9 +334,11 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
 
 
 def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
-    """K and V bytes of the layer's attention ops per sample. An attention op of output (b, h, s, d_v) costs
-    2·b·h·s²·(d_qk + d_v) FLOPs (ops.py), so its K and V hold kv_heads·s·(d_qk + d_v) elements: the real head
-    dims (MLA's d_qk ≠ d_v), with the model's kv heads (GQA exchanges K/V before they are repeated)."""
+    """K and V bytes of the layer's attention ops per sample, as the attention kernel receives them (what context
+    parallelism gathers). An attention op of output (b, h, s, d_v) costs 2·b·h·s²·(d_qk + d_v) FLOPs (ops.py), so
+    its K and V hold kv_heads·s·(d_qk + d_v) elements: the real head dims (MLA's d_qk ≠ d_v), with the heads its
+    key has at the call (grouped-query K/V the model repeats before the call, as Hugging Face does with a mask,
+    arrive with the query's heads; with enable_gqa, with the model's kv heads)."""
     g = layer.ops
     total = 0.0
     if g is not None:
@@ -345,7 +347,7 @@ def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
             if d.get("kind") != "attention" or len(shape) < 3 or not shape[-2]:
                 continue
             heads = shape[-3] if len(shape) >= 3 else 1
-            kv_heads = min(ir.num_kv_heads or heads, heads)
+            kv_heads = d.get("kv_heads") or min(ir.num_kv_heads or heads, heads)
             total += BF16_BYTES * d.get("flops", 0.0) * kv_heads / (2.0 * heads * shape[-2])
         return total
     head_dim = ir.head_dim or ir.hidden_size // max(ir.num_heads, 1)

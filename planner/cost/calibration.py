@@ -178,28 +178,20 @@ def calibrate(
 
 # ---- published measurements with full layouts, and the fit of a GPU profile's compute factor ---------------------
 
+MEGATRON_CORE = CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap, ring CP
+    dp_overlap=1.0,
+    tp_overlap=1.0,
+    sp_saves_gathered_inputs=False,
+    pipeline_buffers_every_microbatch=False,
+    cp_overlap=1.0,
+    fused_loss_backward=True,
+)
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream
-    "megatron-core": CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap, ring CP
-        dp_overlap=1.0,
-        tp_overlap=1.0,
-        sp_saves_gathered_inputs=False,
-        pipeline_buffers_every_microbatch=False,
-        cp_overlap=1.0,
-        fused_loss_backward=True,
-    ),
-    # NeMo 2.x performance recipes on Megatron-Core: as above, with grad_reduce_in_fp32 off (bf16 gradient buffer
-    # and reduction; the recipes' performance_optimizations set it)
-    "nemo": CostOptions(
-        dp_overlap=1.0,
-        tp_overlap=1.0,
-        sp_saves_gathered_inputs=False,
-        pipeline_buffers_every_microbatch=False,
-        cp_overlap=1.0,
-        fused_loss_backward=True,
-        grad_reduce_bytes=2.0,
-        grad_buffer_bytes=2.0,
-    ),
+    "megatron-core": MEGATRON_CORE,
+    # NeMo 2.x performance recipes on Megatron-Core: grad_reduce_in_fp32 off (bf16 gradient buffer and reduction;
+    # the recipes' performance_optimizations set it)
+    "nemo": replace(MEGATRON_CORE, grad_reduce_bytes=2.0, grad_buffer_bytes=2.0),
     "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
     "torch-te": CostOptions(cp_overlap=1.0),  # FSDP2 with TransformerEngine's ring attention for CP
     # MosaicML Composer FSDP (FULL_SHARD, prefetch), gradients reduce-scattered on every micro-batch;
@@ -443,6 +435,14 @@ def scaled_profile(gpu: GPUProfile, factor: float) -> GPUProfile:
 Candidate = tuple[Layout, int | None]  # a layout and, under recompute "full", the blocks recomputed per stage
 
 
+def _assignment(inputs: ModelCostInputs, layout: Layout, recomputed: int | None) -> StageAssignment | None:
+    """Balanced blocks with at most `recomputed` of each stage's recomputed (None: evaluate's default, all)."""
+    if recomputed is None:
+        return None
+    counts = balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
+    return StageAssignment(counts, tuple(min(recomputed, c) for c in counts))
+
+
 def fewest_recomputed(
     inputs: ModelCostInputs,
     layout: Layout,
@@ -458,11 +458,10 @@ def fewest_recomputed(
     layout itself when it fits."""
     if layout.recompute != "full" or not partial:
         return (layout, None) if evaluate(inputs, layout, gpu, cluster, options=options).fits else None
-    counts = balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
-    for k in range(1, max(counts) + 1):
-        assignment = StageAssignment(counts, tuple(min(k, c) for c in counts))
-        if evaluate(inputs, layout, gpu, cluster, assignment, options).fits:
-            return layout, (None if k >= max(counts) else k)
+    most = max(balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp))
+    for k in range(1, most + 1):
+        if evaluate(inputs, layout, gpu, cluster, _assignment(inputs, layout, k), options).fits:
+            return layout, (None if k >= most else k)
     return None
 
 
@@ -503,13 +502,6 @@ class RowEvaluator:
             )  # fmt: skip
             out.append(RowPrediction(m, best[1], best[0], fits, best[2]))
         return out
-
-
-def _assignment(inputs: ModelCostInputs, layout: Layout, recomputed: int | None) -> StageAssignment | None:
-    if recomputed is None:
-        return None
-    counts = balanced_blocks(inputs.num_blocks, layout.pp * layout.vpp)
-    return StageAssignment(counts, tuple(min(recomputed, c) for c in counts))
 
 
 def objective(preds: list[RowPrediction]) -> float:

@@ -322,6 +322,7 @@ def _worker(args: argparse.Namespace, console: Console) -> int:
 
 
 def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequest | None = None) -> int:
+    import torch
     import torch.distributed as dist
 
     from mlm.planner.plan import load_plan
@@ -329,7 +330,7 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
     from mlm.runtime.faults import StopRequest, is_peer_loss
     from mlm.runtime.launch import STATE_ENV, restart_count, write_note
     from mlm.runtime.progress import StepReporter
-    from mlm.runtime.train import run_steps, setup
+    from mlm.runtime.train import compute_dtype, run_steps, setup
 
     rank = dist.get_rank()
     rank0 = rank == 0
@@ -350,6 +351,13 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
                 f"schedule {plan.layout.schedule}, from step {rt.start_step}{again}",
                 highlight=False,
             )
+            ran = compute_dtype(plan, _options(args, device, resume), rt.device)
+            if plan.training.dtype == "bf16" and ran == torch.float32:
+                console.print(
+                    "mlm-run: note: computing in fp32 (exact parity with one process on CPU); plan.json priced bf16, "
+                    "so activations and tensor/pipeline/data-parallel traffic are twice its prediction",
+                    highlight=False,
+                )
         log = args.log if rank0 else None
         with StepReporter(
             args.steps, rt.start_step, log, show=rank0, console=console, plan=plan, device=rt.device

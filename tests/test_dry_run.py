@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_runtime_harness import write_plan
 
 TINY = ["--model-arg", "n_layer=4", "--model-arg", "n_embd=64", "--model-arg", "n_head=4"]
 TINY += ["--model-arg", "vocab_size=256", "--model-arg", "block_size=64"]
@@ -27,11 +28,9 @@ def _cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]
 
 
 def _plan(tmp: Path, name: str, *pins: str, shape: tuple[str, ...] = ()) -> Path:
-    out = tmp / f"{name}.json"
+    """mlm-plan gpt2 at a tiny shape with `pins`, run in this process (test_runtime_harness.write_plan)."""
     shape = shape or (*TINY, "--seq-len", "32", "--global-batch", "8")
-    proc = _cli("mlm.cli.plan", "gpt2", *shape, *pins, "--out", str(out), cwd=tmp)
-    assert proc.returncode == 0, proc.stderr
-    return out
+    return write_plan(tmp, name, ["gpt2", *shape, *pins])
 
 
 TP2SP = ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0")
@@ -260,11 +259,9 @@ def test_hugging_face_attention_is_one_tensor_parallel_region(tmp_path: Path) ->
     19 on Qwen2) and its peak is within 10% of plan.json's."""
     from conftest import MODELS
 
-    out = tmp_path / "plan.json"
     args = ["--entry", "build", "--model-arg", "family=qwen2", "--seq-len", "64", "--global-batch", "4"]
-    args += ["--gpus", "4", "--tp", "2", "--pp", "2", "--out", str(out)]
-    proc = _cli("mlm.cli.plan", str(MODELS / "zoo_families.py"), *args, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args += ["--gpus", "4", "--tp", "2", "--pp", "2"]
+    out = write_plan(tmp_path, "plan", [str(MODELS / "zoo_families.py"), *args])
     proc = _cli("mlm.cli.run", str(out), "--dry-run", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for rank in json.loads(proc.stdout)["ranks"]:
@@ -337,12 +334,10 @@ def test_context_parallel_gathers_key_heads_as_the_kernel_receives_them(tmp_path
     model prices the key heads the kernel receives (before: the model's kv heads, half the bytes measured)."""
     from conftest import MODELS
 
-    out = tmp_path / "plan.json"
     args = ["--entry", "build", "--model-arg", "family=gemma3", "--seq-len", "32", "--global-batch", "4"]
     args += ["--micro-batch", "1", "--gpus", "2", "--cp", "2", "--dp", "1", "--tp", "1", "--pp", "1"]
-    args += ["--recompute", "none", "--zero", "0", "--out", str(out)]
-    proc = _cli("mlm.cli.plan", str(MODELS / "zoo_families.py"), *args, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    args += ["--recompute", "none", "--zero", "0"]
+    out = write_plan(tmp_path, "plan", [str(MODELS / "zoo_families.py"), *args])
     proc = _cli("mlm.cli.run", str(out), "--dry-run", "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (rank,) = json.loads(proc.stdout)["ranks"]

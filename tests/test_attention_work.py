@@ -45,3 +45,11 @@ def test_a_kernel_that_computes_every_block_is_priced_above_the_causal_one(irs) 
     for call in ("full", "mask"):
         achieved = step[call].model_tflops_per_gpu * step[call].step_time_s
         assert achieved == pytest.approx(step["causal"].model_tflops_per_gpu * step["causal"].step_time_s)
+
+
+def test_a_mask_a_causal_kernel_could_skip_is_named_in_a_warning(irs) -> None:
+    """The masked call's pattern is causal: the capture says it is priced at full work and how to halve it; the
+    causal call and the bidirectional one (nothing to skip) get no such warning."""
+    said = {call: [w for w in ir.warnings if "mask tensor" in w] for call, ir in irs.items()}
+    assert said["causal"] == [] and said["full"] == []
+    assert len(said["mask"]) == 1 and "blocks.0" in said["mask"][0] and "is_causal=True" in said["mask"][0]

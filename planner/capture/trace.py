@@ -112,6 +112,14 @@ def capture(
             f"seq_len {seq} reads position {read - 1} of {where or 'a position table'}, which holds {rows}: the "
             f"model cannot run at this length on a GPU (pass --seq-len {rows} or less)"
         )
+    masked = [layer.name for layer in layers if layer.flops_attention_full and _could_skip(layer.attention)]
+    if masked:
+        shown = ", ".join(masked[:3]) + (" …" if len(masked) > 3 else "")
+        notes.append(
+            f"attention in {shown} passes a mask tensor where its pattern is causal or a sliding window: torch's "
+            f"SDPA kernels then compute every (query, key) block, and it is priced so (is_causal=True without a "
+            f"mask would run half of it)"
+        )
     facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None)
     return ModelIR(
         layers=tuple(layers),
@@ -925,6 +933,11 @@ def _module_of(n: torch.fx.Node) -> str | None:
         return None
     path, _ = list(stack.values())[-1]
     return _strip_root(_clean_path(str(path))) or None
+
+
+def _could_skip(kinds: tuple[str, ...]) -> bool:
+    """An attention pattern a causal or windowed kernel could skip blocks of (not bidirectional, not cross)."""
+    return any(k == "causal" or k.startswith("sliding window") for k in kinds)
 
 
 def _key_heads(attention: torch.fx.Node) -> int:

@@ -30,13 +30,13 @@ import torch.fx
 from torch import nn
 
 from mlm.planner.capture import blocks as stacks
+from mlm.planner.capture import masks
 from mlm.planner.capture.attributes import Attribute, attribute_facts, resolve
 from mlm.planner.capture.blocks import BlockGroup
 from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
 from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp, ModelIR, MoEIR
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
-from mlm.planner.capture.masks import computes_every_block
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, tensor_args, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch
@@ -112,13 +112,19 @@ def capture(
             f"seq_len {seq} reads position {read - 1} of {where or 'a position table'}, which holds {rows}: the "
             f"model cannot run at this length on a GPU (pass --seq-len {rows} or less)"
         )
-    masked = [layer.name for layer in layers if layer.flops_attention_full and _could_skip(layer.attention)]
-    if masked:
-        shown = ", ".join(masked[:3]) + (" …" if len(masked) > 3 else "")
+    causal = [layer.name for layer in layers if _causal_mask(layer)]
+    if causal:
         notes.append(
-            f"attention in {shown} passes a mask tensor where its pattern is causal or a sliding window: torch's "
-            f"SDPA kernels then compute every (query, key) block, and it is priced so (is_causal=True without a "
-            f"mask would run half of it)"
+            f"attention in {_first(causal)} receives a mask tensor with the causal pattern: priced as the causal call "
+            f"transformers makes when it runs eagerly (is_causal, no mask: half the blocks, K/V with the model's kv "
+            f"heads; it builds the mask only while traced); a model that passes such a mask when it runs computes "
+            f"every block"
+        )
+    windowed = [layer.name for layer in layers if layer.flops_attention_full and _windowed(layer.attention)]
+    if windowed:
+        notes.append(
+            f"attention in {_first(windowed)} passes a sliding-window mask: torch's SDPA kernels compute every "
+            f"(query, key) block under a mask, and it is priced so (a block-sparse kernel would skip most of them)"
         )
     facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None)
     return ModelIR(
@@ -595,7 +601,7 @@ def build_layers(
     kinds: dict[str, list[str]] = {}
     for site in found.attention:
         kinds.setdefault(site.layer, []).append(site.kind)
-    layers = [replace(layer, attention=tuple(kinds.get(layer.name, ()))) for layer in layers]
+    layers = [_as_run(replace(layer, attention=tuple(kinds.get(layer.name, ())))) for layer in layers]
     read = {_strip_root(name) for node, name in params.items() if any(u in costs for u in node.users)}
     read |= {p for site in moe.values() for p in site.expert_params}  # priced analytically
     return layers, replace(found, unused_params=unused_parameters(model, read))
@@ -812,7 +818,7 @@ def _layer_ir(
             flops["mm"] += c.flops  # implicit-GEMM kernels: priced at the GEMM rate, never split by tp
         elif c.kind in ("attention", "matmul"):
             flops["attn"] += c.flops
-            if c.kind == "attention" and computes_every_block(n):
+            if c.kind == "attention" and masks.computes_every_block(n):
                 flops["full"] += c.flops
         else:
             flops["elt"] += c.flops
@@ -935,9 +941,33 @@ def _module_of(n: torch.fx.Node) -> str | None:
     return _strip_root(_clean_path(str(path))) or None
 
 
-def _could_skip(kinds: tuple[str, ...]) -> bool:
-    """An attention pattern a causal or windowed kernel could skip blocks of (not bidirectional, not cross)."""
-    return any(k == "causal" or k.startswith("sliding window") for k in kinds)
+def _causal_mask(layer: LayerIR) -> bool:
+    """Every attention call of the layer has the causal pattern and one of them received it as a mask tensor."""
+    return (
+        bool(layer.attention)
+        and all(k == "causal" for k in layer.attention)
+        and any(d.get("masked") for _, d in (layer.ops.nodes(data=True) if layer.ops is not None else ()))
+    )
+
+
+def _as_run(layer: LayerIR) -> LayerIR:
+    """A layer whose attention got a causal-pattern mask while traced is priced as the eager causal call (module
+    doc of masks.py; the warning says so): no full-work FLOPs, K/V at the model's kv heads (op nodes' kv_heads 0)."""
+    if not _causal_mask(layer):
+        return layer
+    assert layer.ops is not None
+    for _, d in layer.ops.nodes(data=True):
+        if d.get("kind") == "attention":
+            d["kv_heads"] = 0
+    return replace(layer, flops_attention_full=0.0)
+
+
+def _windowed(kinds: tuple[str, ...]) -> bool:
+    return any(k.startswith("sliding window") for k in kinds)
+
+
+def _first(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
 
 def _key_heads(attention: torch.fx.Node) -> int:
@@ -985,6 +1015,7 @@ def _op_graph(
             constant=n in inert,
             saved=saved.get(n.name, 0.0),
             kv_heads=_key_heads(n) if c.kind == "attention" else 0,
+            masked=c.kind == "attention" and masks.sdpa_mask(n)[0] is not None,
         )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)

@@ -1,7 +1,8 @@
-"""One attention block whose scaled_dot_product_attention call is written three ways: causal (is_causal=True),
-with an explicit causal mask tensor, or bidirectional (an encoder: no mask, no causal flag).
+"""One attention block whose scaled_dot_product_attention call is written four ways: causal (is_causal=True), with
+an explicit causal mask tensor, with a sliding-window mask (a quarter of the sequence), or bidirectional (an
+encoder: no mask, no causal flag).
 
-A model.py-convention file: build_model(call="causal" | "mask" | "full", dim, heads, layers, vocab)."""
+A model.py-convention file: build_model(call="causal" | "mask" | "window" | "full", dim, heads, layers, vocab)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in qkv)
         if self.call == "causal":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif self.call == "mask":
+        elif self.call in ("mask", "window"):
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            if self.call == "window":
+                mask = mask & ~mask.tril(-(t // 4))
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v)

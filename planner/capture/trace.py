@@ -101,10 +101,9 @@ def capture(
             seq = short[0]
     layers, how, found, notes, kinds = captured
     if found.data_dependent:
-        shown = ", ".join(found.data_dependent[:3]) + (" …" if len(found.data_dependent) > 3 else "")
         notes.append(
-            f"data-dependent sizes (torch.where / nonzero) in {shown}: priced at their upper bound, divided over "
-            f"the experts inside an MoE layer (balanced routing)"
+            f"data-dependent sizes (torch.where / nonzero) in {_first(list(found.data_dependent))}: priced at their "
+            f"upper bound, divided over the experts inside an MoE layer (balanced routing)"
         )
     if found.short_table is not None:
         rows, read, where = found.short_table
@@ -951,8 +950,10 @@ def _causal_mask(layer: LayerIR) -> bool:
 
 
 def _as_run(layer: LayerIR) -> LayerIR:
-    """A layer whose attention got a causal-pattern mask while traced is priced as the eager causal call (module
-    doc of masks.py; the warning says so): no full-work FLOPs, K/V at the model's kv heads (op nodes' kv_heads 0)."""
+    """A layer whose attention received a mask tensor with the causal pattern is priced as the causal call
+    transformers makes when it runs (is_causal and enable_gqa, no mask; it builds the mask only while traced, and
+    capture traces): no full-work FLOPs, K/V at the model's kv heads (op nodes' kv_heads 0: inputs._kv_bytes falls
+    back to them). capture() says so in a warning."""
     if not _causal_mask(layer):
         return layer
     assert layer.ops is not None

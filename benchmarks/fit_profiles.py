@@ -41,7 +41,7 @@ def print_fit(res: FitResult) -> None:
         f"{'source':<38} {'row':<26} {'split':<5} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>2} {'dp':>4} {'mb':>2} "
         f"{'vpp':>3} {'rc':<9} {'published s':>11} {'predicted s':>11} {'error':>7} {'own':>7}"
     )
-    own = _own_errors(res)
+    own, held_own = _own_errors(res), res.held_out(own=True)
     for p in res.predictions:
         m, lo = p.measurement, p.layout
         flag = "" if p.fits else "  (no layout fits the memory model)"
@@ -62,22 +62,22 @@ def print_fit(res: FitResult) -> None:
                     f"  {f:<44} {split:<5} {len(errs):>2} rows  mean |error| {statistics.mean(errs):5.1f}%  "
                     f"worst {max(errs):5.1f}%"
                 )
-        if f in res.own:
+        if f in held_own:
             factor, preds = res.own[f]
-            errs = [100 * abs(p.error) for p in preds if p.measurement.split == "test"]
+            _, mean, worst = held_own[f]
             print(
                 f"  {f:<44} own factor {factor:g} (its {sum(p.measurement.split == 'train' for p in preds)} train "
-                f"rows): test mean |error| {statistics.mean(errs):5.1f}%  worst {max(errs):5.1f}%"
+                f"rows): test mean |error| {mean:5.1f}%  worst {worst:5.1f}%"
             )
 
 
 def markdown(res: FitResult) -> str:
     """Per-source tables (row, split, layout evaluated, published vs predicted step, error) for docs/calibration.md."""
     out = []
+    own, held_own = _own_errors(res), res.held_out(own=True)
     for f in dict.fromkeys(p.measurement.file for p in res.predictions):
         preds = [p for p in res.predictions if p.measurement.file == f]
         out.append(f"\n#### {res.gpu}: `profiles/calibration/{f}` ({preds[0].measurement.source})\n")
-        own = _own_errors(res)
         own_head = " own factor |" if f in res.own else ""
         out.append(
             "| row | split | tp | pp | cp | ep | dp | mb | vpp | recompute | published s | predicted s | error |"
@@ -100,12 +100,11 @@ def markdown(res: FitResult) -> str:
                 out.append(
                     f"\n{split}: {len(errs)} rows, mean |error| {statistics.mean(errs):.1f}%, worst {max(errs):.1f}%"
                 )
-        if f in res.own:
-            factor, mine_preds = res.own[f]
-            errs = [100 * abs(p.error) for p in mine_preds if p.measurement.split == "test"]
+        if f in held_own:
+            _, mean, worst = held_own[f]
             out.append(
-                f"\nat the source's own factor {factor:g} (fitted on its train rows): test mean |error| "
-                f"{statistics.mean(errs):.1f}%, worst {max(errs):.1f}%"
+                f"\nat the source's own factor {res.own[f][0]:g} (fitted on its train rows): test mean |error| "
+                f"{mean:.1f}%, worst {worst:.1f}%"
             )
     return "\n".join(out)
 

@@ -342,7 +342,8 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
         restart = restart_count()
         if restart and args.save is not None and ckpt.latest_step(args.save) is not None:
             resume = args.save  # restarted by torchrun's agent: continue from the latest checkpoint
-        rt = setup(plan, _options(args, device, resume))
+        opts = _options(args, device, resume)
+        rt = setup(plan, opts)
         rt.stop = stop
         if rank0:
             again = f" (restart {restart}, from the checkpoint in {resume})" if restart and resume else ""
@@ -351,7 +352,7 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
                 f"schedule {plan.layout.schedule}, from step {rt.start_step}{again}",
                 highlight=False,
             )
-            ran = compute_dtype(plan, _options(args, device, resume), rt.device)
+            ran = compute_dtype(plan, opts, rt.device)
             if plan.training.dtype == "bf16" and ran == torch.float32:
                 console.print(
                     "mlm-run: note: computing in fp32 (exact parity with one process on CPU); plan.json priced bf16, "

@@ -14,6 +14,7 @@ from mlm.cli.format import gib, si
 from mlm.planner.capture import cache
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.presets.registry import PRESETS
+from mlm.planner.cost.hardware import resolve
 from mlm.planner.errors import PlanError
 
 EPILOG = """examples:
@@ -126,7 +127,10 @@ def load_or_capture(args: argparse.Namespace) -> tuple[Any, ModelIR, bool]:
     if args.seq_len is not None and args.seq_len < 1:
         raise PlanError("--seq-len must be >= 1")
     use_cache = not getattr(args, "no_cache", False)
-    key = cache.capture_key(args.model, args.entry, args.model_arg, args.seq_len, args.capture) if use_cache else None
+    # the target's compute dtype (bf16 on GPUs, fp32 on a CPU profile), which the activations are captured in
+    dtype = resolve(args.gpu, args.cluster)[0].compute_dtype
+    key = cache.capture_key(args.model, args.entry, args.model_arg, args.seq_len, args.capture, dtype)
+    key = key if use_cache else None
     hit = cache.load(key) if key else None
     if hit is not None:
         return hit[0], hit[1], True
@@ -135,7 +139,7 @@ def load_or_capture(args: argparse.Namespace) -> tuple[Any, ModelIR, bool]:
 
     spec = load_model_spec(args.model, args.entry, parse_model_args(args.model_arg))
     with stderr_console().status(f"capturing {spec.display_name} on the meta device…"):
-        ir = capture(spec, seq_len=args.seq_len, method=args.capture)
+        ir = capture(spec, seq_len=args.seq_len, method=args.capture, dtype=dtype)
     if key:
         cache.store(key, spec, ir)
     return spec, ir, False

@@ -78,10 +78,9 @@ def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
         out.print(f"wrote {args.out}")
     if getattr(args, "verify", False):
         from mlm.cli.dry_run_output import dry_run_command
-        from mlm.runtime.train import RunOptions
+        from mlm.runtime.dry_run import dry_run_options
 
-        opts = RunOptions(steps=1, device="cpu", compute_dtype="fp32" if plan.training.dtype == "fp32" else "bf16")
-        return dry_run_command(plan, opts, False, console, out)
+        return dry_run_command(plan, dry_run_options(plan), False, console, out)
     return 0
 
 

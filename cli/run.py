@@ -159,11 +159,12 @@ def _dry_run(args: argparse.Namespace, console: Console) -> int:
 
     from mlm.cli.dry_run_output import dry_run_command
     from mlm.planner.plan import load_plan
+    from mlm.runtime.dry_run import dry_run_options
 
     plan = load_plan(args.plan)
-    # the program a GPU would run: the plan's compute dtype (bf16 unless it says fp32), not the CPU's fp32
-    dtype = "fp32" if plan.training.dtype == "fp32" else "bf16"
-    opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=dtype)
+    # the program the plan priced: its compute dtype (bf16 emulates a GPU), replicate() where DDP would run
+    base = dry_run_options(plan)
+    opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=base.compute_dtype, allow_ddp=False)
     if args.pp_ranks is not None and max(args.pp_ranks) >= plan.layout.pp:
         raise PlanError(f"--pp-ranks {max(args.pp_ranks)}: the plan has pipeline ranks 0..{plan.layout.pp - 1}")
     return dry_run_command(plan, opts, args.json, console, Console(), args.pp_ranks)

@@ -20,6 +20,7 @@ from mlm.cli.format import gib, seconds, si
 from mlm.cli.plan import layout_arguments, model_arguments
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.capture.loader import load_model_spec, parse_model_args
+from mlm.planner.cost.hardware import resolve
 from mlm.planner.errors import PlanError
 from mlm.planner.search.layouts import PlanRequest
 from mlm.planner.whatif.arithmetic import parse_count, parse_sweep
@@ -171,7 +172,8 @@ def _run(args: argparse.Namespace) -> int:
     model_args = parse_model_args(args.model_arg)
     spec = load_model_spec(args.model, args.entry, model_args)
     with stderr_console().status(f"capturing {spec.display_name} on the meta device…"):
-        ir = capture_args(args.model, args.entry, model_args, args.seq_len, args.capture)
+        dtype = resolve(args.gpu, args.cluster)[0].compute_dtype  # bf16 on GPUs, fp32 on a CPU profile
+        ir = capture_args(args.model, args.entry, model_args, args.seq_len, args.capture, dtype)
     global_batch = args.global_batch or (spec.preset.global_batch if spec.preset else 512)
     request = request_for(args, global_batch, args.gpus or 1)
     if question == "sweep":

@@ -56,16 +56,17 @@ class DataParallelChoice:
 
 
 def choose_data_parallel(
-    layout: Layout, schedule: str, compute_dtype: torch.dtype = torch.float32
+    layout: Layout, schedule: str, compute_dtype: torch.dtype = torch.float32, allow_ddp: bool = True
 ) -> DataParallelChoice:
-    """The dp wrapper for a layout, pipeline schedule name and compute dtype (see module doc for the reasons)."""
+    """The dp wrapper for a layout, pipeline schedule name and compute dtype (see module doc for the reasons);
+    allow_ddp=False takes replicate() where DDP would run (the dry run: DDP needs real tensors)."""
     mixed = compute_dtype != torch.float32
     if layout.dp * layout.cp == 1:  # context-parallel ranks reduce gradients together as dp ranks do (mesh.py)
         return DataParallelChoice("fsdp" if mixed else "none", False)
     if layout.zero == 0:
         # ep > 1: the expert banks are replicated over their own group (the dp ranks holding the same experts),
         # which DDP (one process group per wrapper) cannot nest
-        ddp = not mixed and layout.tp == 1 and layout.ep == 1 and schedule not in ZERO_BUBBLE_SCHEDULES
+        ddp = allow_ddp and not mixed and layout.tp == 1 and layout.ep == 1 and schedule not in ZERO_BUBBLE_SCHEDULES
         return DataParallelChoice("ddp" if ddp else "replicate", False)
     return DataParallelChoice("fsdp", layout.zero == 3 and layout.pp == 1)
 

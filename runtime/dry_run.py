@@ -193,7 +193,7 @@ def dry_run(
     import multiprocessing
     import os
 
-    from mlm.runtime.train import RunOptions, check_plan_runnable
+    from mlm.runtime.train import check_plan_runnable
 
     check_plan_runnable(plan)
     if plan.layout.ep > 1:
@@ -201,7 +201,7 @@ def dry_run(
             f"the dry run does not run ep > 1 (layout.ep = {plan.layout.ep}): the experts' dispatch reads the "
             f"routing's values, which fake tensors do not have"
         )
-    opts = opts or RunOptions(steps=1, device="cpu", compute_dtype="fp32" if plan.training.dtype == "fp32" else "bf16")
+    opts = opts or dry_run_options(plan)
     ranks = list(pp_ranks if pp_ranks is not None else range(plan.layout.pp))
     workers = workers or max(1, min(4, os.cpu_count() or 1, len(ranks)))
     context = multiprocessing.get_context("spawn")
@@ -214,6 +214,16 @@ def dry_run(
             if progress is not None:
                 progress(f"pipeline rank {report.pp_rank} done in {report.seconds:.1f} s ({len(reports)}/{len(ranks)})")
     return [reports[r] for r in ranks]
+
+
+def dry_run_options(plan: Plan) -> Any:
+    """The run options of a dry run: one step on CPU, computing in the dtype the plan priced (bf16 emulates the
+    CUDA program), FSDP2's replicate() where mlm-run would use DDP (whose constructor and reducer need real
+    tensors; same bytes, one all-reduce per layer group instead of per 25 MB bucket)."""
+    from mlm.runtime.train import RunOptions
+
+    dtype = "fp32" if plan.training.dtype == "fp32" else "bf16"
+    return RunOptions(steps=1, device="cpu", compute_dtype=dtype, allow_ddp=False)
 
 
 def dry_run_role(

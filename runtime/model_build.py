@@ -545,7 +545,8 @@ def materialize(
         for name, p in module.named_parameters():
             if p.is_meta:
                 fresh = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                fresh.__dict__.update(p.__dict__)
+                for key, value in p.__dict__.items():  # attributes set on the parameter; under the dry run a fake
+                    fresh.__dict__.setdefault(key, value)  # tensor's own (fake_device: meta) stay the fresh one's
                 torch.utils.swap_tensors(p, fresh)
             if fake:
                 continue

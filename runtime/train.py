@@ -76,6 +76,9 @@ class RunOptions:
     lr_decay_steps: int | None = None  # default: steps (set it to the full run's length when stopping early)
     skip_nonfinite: bool = False  # drop the update of a step whose loss or gradient is not finite, and count it
     compute_dtype: str | None = None  # "bf16" / "fp32"; default bf16 on CUDA (unless the plan says fp32), fp32 on CPU
+    # False: FSDP2's replicate() where torch DDP would run (fp32, tp 1): the dry run, because DDP's constructor and
+    # C++ reducer read and allocate real tensors; replicate() keeps the same bytes (docs/semantics.md)
+    allow_ddp: bool = True
 
 
 @dataclass(frozen=True)
@@ -243,7 +246,7 @@ def _build_runtime(
                     stage.inner.model.get_submodule(fqn), "selective" if lay.recompute == "selective" else "full"
                 )
         stages.append(stage)
-    choice = choose_data_parallel(lay, schedule_name(plan), dtype)
+    choice = choose_data_parallel(lay, schedule_name(plan), dtype, opts.allow_ddp)
     runners: list[nn.Module] = []
     row_shards = experts.shard_names() if experts is not None else None
     for st in stages:

@@ -345,3 +345,50 @@ def test_context_parallel_gathers_key_heads_as_the_kernel_receives_them(tmp_path
     for op in ("all_gather", "reduce_scatter"):  # the K/V exchange, forward and backward
         assert measured[op]["count"] == predicted[op]["count"] > 0, op
         assert measured[op]["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), op
+
+
+def _fp32_profile(tmp: Path) -> Path:
+    """An a100-80gb profile that computes in fp32, as mlm-profile writes one for a CPU (compute_dtype = "fp32")."""
+    import dataclasses
+
+    from mlm.planner.cost.hardware import load_gpu, to_toml
+
+    gpu = dataclasses.replace(load_gpu("a100-80gb"), name="fp32-device", compute_dtype="fp32")
+    path = tmp / "fp32-device.toml"
+    path.write_text(to_toml(gpu))
+    return path
+
+
+_FP32 = {
+    # pipeline x plain DDP (mlm-run's torch DDP path, replicate() in the dry run), ZeRO-1, tensor parallelism
+    "pp2dp2": ("--gpus", "4", "--pp", "2", "--dp", "2", "--tp", "1", "--vpp", "1", "--zero", "0"),
+    "zero1": ("--gpus", "2", "--dp", "2", "--tp", "1", "--pp", "1", "--zero", "1"),
+    "tp2": ("--gpus", "2", "--tp", "2", "--pp", "1", "--no-sequence-parallel", "--zero", "0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FP32))
+def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(name: str, tmp_path: Path) -> None:
+    """A profile whose device computes in fp32 (a CPU's, where mlm-run computes fp32) gives a plan priced in fp32:
+    training.dtype fp32, activations captured in fp32 (twice the bf16 plan's, the same layout otherwise), and the
+    dry run, run in fp32, measures the collectives the plan counts and its peak within 10%."""
+    pins = (*_FP32[name], "--recompute", "none", "--micro-batch", "2")
+    path = _plan(tmp_path, name, *pins, "--gpu", str(_fp32_profile(tmp_path)), shape=SMALL)
+    bf16 = json.loads(_plan(tmp_path, f"{name}-bf16", *pins, shape=SMALL).read_text())
+    plan = json.loads(path.read_text())
+    assert plan["training"]["dtype"] == "fp32" and bf16["training"]["dtype"] == "bf16"
+    acts = [s["memory_by_category"]["activations"] for s in plan["stages"]]
+    acts_bf16 = [s["memory_by_category"]["activations"] for s in bf16["stages"]]
+    for a, b in zip(acts, acts_bf16):
+        assert b < a <= 2.0 * b  # floating tensors double; token ids, masks and fp32 loss terms do not
+    proc = _cli("mlm.cli.run", str(path), "--dry-run", "--json", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for rank in json.loads(proc.stdout)["ranks"]:
+        measured, predicted = rank["collectives"], rank["predicted_collectives"]
+        assert set(measured) == set(predicted), rank["stage"]
+        for op, m in measured.items():
+            assert m["count"] == predicted[op]["count"], (rank["stage"], op)
+            assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), (rank["stage"], op)
+        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
+        print(name, rank["stage"], f"fp32 peak {peak / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
+        assert peak == pytest.approx(want, rel=0.10)

@@ -273,9 +273,20 @@ def test_build_profiles_from_a_measurement() -> None:
     assert gpu.attention_curve.fractions == (0.25, 1.0)  # clamped: never above the GEMM peak
     assert gpu.memory_bound_efficiency == 1.0 and gpu.hbm_gbps == 40.0 and gpu.nvlink_gbps == 2.0
     assert cluster.intra_node_collective_efficiency == 0.5 and cluster.gpu == "fake.toml"
+    assert gpu.compute_dtype == "fp32" and gpu.compute_bytes == 4  # mlm-run computes in fp32 on CPU
     gpu_text, cluster_text = render(m, gpu, cluster)
     assert P.GPUProfile.from_dict(tomllib.loads(gpu_text)) == gpu
     assert P.ClusterProfile.from_dict(tomllib.loads(cluster_text)) == cluster
+
+
+def test_compute_dtype_is_checked() -> None:
+    """A preset computes in bf16; a profile may say fp32 (mlm-profile on CPU); anything else is refused by name."""
+    gpu = P.load_gpu("h100-sxm")
+    assert gpu.compute_dtype == "bf16" and gpu.compute_bytes == 2
+    data = {**gpu.to_dict(), "compute_dtype": "fp32"}
+    assert P.GPUProfile.from_dict(data).compute_bytes == 4
+    with pytest.raises(PlanError, match="compute_dtype"):
+        P.GPUProfile.from_dict({**data, "compute_dtype": "fp8"})
 
 
 def test_mlm_profile_stdout(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

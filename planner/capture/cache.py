@@ -3,9 +3,9 @@
 Capturing GPT-3 175B takes seconds and importing torch alone about 2 s on a small machine; the search after it
 needs only the ModelIR. An entry is keyed by everything the IR depends on: the bytes of the model file and of the
 .py files beside it (a model may import its siblings; for presets, the preset folder), the requested entry, the
---model-arg strings, the sequence length, the capture method, the source of mlm's capture code, and the versions
-of mlm, torch and transformers (read from package metadata, without importing them). The key is computed
-without importing torch or the loader; only a miss imports them.
+--model-arg strings, the sequence length, the capture method, the compute dtype, the source of mlm's capture code,
+and the versions of mlm, torch and transformers (read from package metadata, without importing them). The key is
+computed without importing torch or the loader; only a miss imports them.
 
 An entry is a pickle with a format version, holding the ModelIR (any fields it has; a change to the capture code
 changes the key) and the few ModelSpec fields the planner reads. Unpickling refuses torch classes, so a hit never
@@ -81,8 +81,11 @@ def model_file(model: str) -> Path | None:
     return path.resolve() if path.is_file() else None
 
 
-def capture_key(model: str, entry: str | None, model_args: list[str], seq_len: int | None, method: str) -> str | None:
-    """The cache key of one capture request, or None when MODEL is not a readable file (the loader then says why)."""
+def capture_key(
+    model: str, entry: str | None, model_args: list[str], seq_len: int | None, method: str, dtype: str = "bf16"
+) -> str | None:
+    """The cache key of one capture request (`dtype`: the compute dtype captured in), or None when MODEL is not a
+    readable file (the loader then says why)."""
     path = model_file(model)
     if path is None:
         return None
@@ -96,6 +99,7 @@ def capture_key(model: str, entry: str | None, model_args: list[str], seq_len: i
             "model_args": list(model_args),
             "seq_len": seq_len,
             "method": method,
+            "dtype": dtype,
             "capture_code": _folder_hash(_CAPTURE_DIR),
             "versions": {name: _version(name) for name in _VERSIONED},
         }

@@ -2,11 +2,11 @@
 
 Per sample, `tokens` tokens enter the router and each is sent to top_k experts, so the experts process
 R = tokens * top_k * capacity_factor token rows in all (capacity_factor 1.0: perfectly balanced). For each expert
-GEMM (in -> out) that is 2 * R * in * out forward FLOPs. Saved for backward, per routed row (bf16): the gathered
-input (hidden, once however many GEMMs read it), the outputs of the GEMMs that read it (the activation function's
-inputs), the inputs of the later GEMMs (for their weight gradients), and the expert output (for the gate weight's
-gradient). Dispatch and combine move each routed row's hidden vector twice each (gather: read + write; weighted
-combine: read + write), and the activation function reads its inputs and writes the product.
+GEMM (in -> out) that is 2 * R * in * out forward FLOPs. Saved for backward, per routed row (in the compute
+dtype): the gathered input (hidden, once however many GEMMs read it), the outputs of the GEMMs that read it (the
+activation function's inputs), the inputs of the later GEMMs (for their weight gradients), and the expert output
+(for the gate weight's gradient). Dispatch and combine move each routed row's hidden vector twice each (gather:
+read + write; weighted combine: read + write), and the activation function reads its inputs and writes the product.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from dataclasses import replace
 
 from mlm.planner.capture.graph import Activations, LayerIR, MoEIR
 
-BF16_BYTES = 2
 
-
-def with_experts(layer: LayerIR, moe: MoEIR) -> LayerIR:
-    """`layer` with the routed experts of `moe` priced (the graph's expert ops were dropped before)."""
+def with_experts(layer: LayerIR, moe: MoEIR, elem_bytes: int = 2) -> LayerIR:
+    """`layer` with the routed experts of `moe` priced (the graph's expert ops were dropped before); activations of
+    `elem_bytes` per element (the compute dtype's: 2 for bf16)."""
     routed = moe.tokens * max(moe.top_k, 1) * moe.capacity_factor
     gemms = moe.expert_gemms
     hidden = gemms[0].in_features if gemms else 0
@@ -34,9 +33,9 @@ def with_experts(layer: LayerIR, moe: MoEIR) -> LayerIR:
         layer,
         flops_matmul=layer.flops_matmul + routed * per_row_flops,
         flops_elementwise=layer.flops_elementwise + routed * (act_elems + hidden),
-        bytes_moved=layer.bytes_moved + routed * moved_elems * BF16_BYTES,
+        bytes_moved=layer.bytes_moved + routed * moved_elems * elem_bytes,
         activations=Activations(
-            sharded=a.sharded + routed * saved_elems * BF16_BYTES,
+            sharded=a.sharded + routed * saved_elems * elem_bytes,
             replicated=a.replicated,
             attn_core=a.attn_core,
             layer_input=a.layer_input,

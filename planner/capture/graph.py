@@ -163,6 +163,7 @@ class ModelIR:
     attention_ops: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
     block_kinds: tuple[BlockKind, ...] = ()  # every distinct block, captured once each
+    compute_bytes: int = 2  # bytes per element of the compute dtype the activations were captured in (bf16: 2)
 
     @property
     def moe_layers(self) -> tuple[LayerIR, ...]:

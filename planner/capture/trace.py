@@ -47,6 +47,7 @@ LOSS_LAYER = "loss"
 
 
 DEFAULT_CAPACITY_FACTOR = 1.0  # tokens per routed expert over the perfectly balanced share (an option)
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # the compute dtypes a plan prices
 DEFAULT_SEQ_CAP = 4096  # default --seq-len cap: a first plan at a model's full 32K-131K context is a minutes-long step
 
 
@@ -56,32 +57,37 @@ def capture(
     method: str = "auto",
     replicate: bool = True,
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    dtype: str = "bf16",
 ) -> ModelIR:
     """Build `spec` without weights and capture it into a ModelIR (costs for one sample of `seq_len` tokens).
 
     Without `seq_len` the length is min(model context, DEFAULT_SEQ_CAP); when that guess does not run and the
     model has a shorter position table, capture retries once at the table's length. Every such choice, and every
     assumption the capture makes, is one sentence in ModelIR.warnings. `capacity_factor` scales the tokens each
-    routed expert of an MoE layer processes (1.0: perfectly balanced routing, no padding or dropped tokens)."""
+    routed expert of an MoE layer processes (1.0: perfectly balanced routing, no padding or dropped tokens).
+    `dtype` is the compute dtype the plan prices ("bf16"; "fp32" where mlm-run computes in fp32, on CPU): the
+    activations are captured in it."""
     start = time.perf_counter()
-    model = build_meta(spec)
+    torch_dtype = _TORCH_DTYPES[dtype]
+    options = (replicate, capacity_factor, torch_dtype)
+    model = build_meta(spec, torch_dtype)
     num_params = count_params(model)
     tied = _has_tied_embedding(model)
     attrs = attribute_facts(model)
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if seq_len is not None:
         seq, seq_note = seq_len, None
-        captured = _capture_model(spec, model, seq, method, (replicate, capacity_factor))
+        captured = _capture_model(spec, model, seq, method, options)
     else:
         seq, seq_note = default_seq_len(attrs)
         try:
-            captured = _capture_model(spec, model, seq, method, (replicate, capacity_factor))
+            captured = _capture_model(spec, model, seq, method, options)
         except TraceError as e:
             shorter = _position_limit(model, seq, attrs)
             if shorter is None:
                 raise TraceError(f"{e} [at the default seq_len {seq}; pass --seq-len N if fewer fit]") from None
             try:
-                captured = _capture_model(spec, build_meta(spec), shorter, method, (replicate, capacity_factor))
+                captured = _capture_model(spec, build_meta(spec, torch_dtype), shorter, method, options)
             except TraceError as retry:
                 if str(retry) == str(e):  # the same failure at both lengths: the length is not the cause
                     raise
@@ -93,7 +99,7 @@ def capture(
             seq = shorter
         short = captured[2].short_table
         if short is not None and short[0] < seq:  # runs on meta, would index past the table on a GPU
-            captured = _capture_model(spec, build_meta(spec), short[0], method, (replicate, capacity_factor))
+            captured = _capture_model(spec, build_meta(spec, torch_dtype), short[0], method, options)
             seq_note = (
                 f"seq_len {short[0]}: the position table of {short[2] or 'the model'} holds {short[0]} positions, "
                 f"fewer than the default {seq} (pass --seq-len to change)"
@@ -142,6 +148,7 @@ def capture(
         attention_ops=tuple(dict.fromkeys(site.how for site in found.attention)),
         warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
         block_kinds=kinds,
+        compute_bytes=torch_dtype.itemsize,
     )
 
 
@@ -176,11 +183,13 @@ def _position_limit(model: nn.Module, seq: int, attrs: dict[str, Attribute]) -> 
 Captured = tuple[list[LayerIR], str, GraphFacts, list[str], tuple[BlockKind, ...]]
 
 
-def _capture_model(spec: ModelSpec, model: nn.Module, seq: int, method: str, options: tuple[bool, float]) -> Captured:
+def _capture_model(
+    spec: ModelSpec, model: nn.Module, seq: int, method: str, options: tuple[bool, float, torch.dtype]
+) -> Captured:
     """Capture the first two blocks of each kind and copy each kind's costs to its other blocks; else (no stack,
     replicate off, the cut does not run, or two blocks of a kind capture differently) the whole model, on a fresh
     instance (the cut edits the containers in place)."""
-    replicate, capacity = options
+    replicate, capacity, dtype = options
     notes: list[str] = []
     moe = find_moe(model, capacity)
     groups = _stacks(model, moe)
@@ -208,7 +217,7 @@ def _capture_model(spec: ModelSpec, model: nn.Module, seq: int, method: str, opt
                 f"whole-model fallback: {mismatch}, so blocks of one structure do not all behave alike; captured "
                 f"all blocks of a fresh instance"
             )
-        model = build_meta(spec)
+        model = build_meta(spec, dtype)
         moe = find_moe(model, capacity)
         groups = _stacks(model, moe)
     layers, how, found = _capture_graph(spec, model, groups, seq, method, moe)
@@ -368,7 +377,7 @@ def _moe_notes(layers: list[LayerIR]) -> list[str]:
     return notes
 
 
-def build_meta(spec: ModelSpec) -> nn.Module:
+def build_meta(spec: ModelSpec, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """Instantiate on the meta device; where model code breaks there (.item(), .cuda()), try FakeTensorMode."""
     try:
         model = instantiate(spec, "meta")
@@ -380,8 +389,8 @@ def build_meta(spec: ModelSpec) -> nn.Module:
                 model = instantiate(spec, "cpu")
         except ModelLoadError:
             raise meta_error from None
-    # training as the runtime runs it (no KV cache), activations at the training precision (bf16 mixed precision)
-    return for_training(model, cpu=False).to(torch.bfloat16)
+    # training as the runtime runs it (no KV cache), activations in the compute dtype (bf16 mixed precision on GPUs)
+    return for_training(model, cpu=False).to(dtype)
 
 
 def count_params(model: nn.Module) -> int:
@@ -592,7 +601,7 @@ def build_layers(
         layer = replace(layer, module_type=type(module).__name__ if module is not None else "")
         for fqn, site in sites.items():
             if fqn == name or fqn.startswith(name + "."):
-                layer = with_experts(layer, _routed(site, calls, params, seq))
+                layer = with_experts(layer, _routed(site, calls, params, seq), _compute_dtype(model).itemsize)
                 break
         layers.append(layer)
     first_block = f"{groups[0].fqn}.{groups[0].children[0]}" if groups else None

@@ -39,7 +39,6 @@ from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp
 from mlm.planner.cost.memory import local_params
 from mlm.planner.layout import Layout
 
-PARAM_WIRE_BYTES = 2.0  # bf16 parameters gathered
 GRAD_NORM_BYTES = 4.0  # the squared gradient norm, one fp32 scalar
 
 
@@ -160,17 +159,17 @@ def rank_collectives(
         elif layout.zero == 1 or pp > 1:  # FSDP2 without resharding after forward
             gathers = 1 if pp > 1 else m
             _add(out, "reduce_scatter", unit_count, grads)
-            _add(out, "all_gather", gathers * unit_count, gathers * PARAM_WIRE_BYTES * params)
+            _add(out, "all_gather", gathers * unit_count, gathers * inputs.compute_bytes * params)
         else:
             gathers = 2 * m  # forward and backward (a fully recomputed forward runs on the backward's gather)
             reduces = m if zero3_reduce_every_microbatch else 1
-            _add(out, "all_gather", gathers * unit_count, gathers * PARAM_WIRE_BYTES * params)
+            _add(out, "all_gather", gathers * unit_count, gathers * inputs.compute_bytes * params)
             _add(out, "reduce_scatter", reduces * unit_count, reduces * grads)
     # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
-    # the bf16 unsharded gradient (before FSDP's reduce-scatter casts it), else once per step
+    # the unsharded gradient in the compute dtype (before FSDP's reduce-scatter casts it), else once per step
     zero3 = dp > 1 and layout.zero == 3 and pp == 1
     sp_times = sp_norm_reductions(layout, zero3_reduce_every_microbatch)
-    sp_bytes = PARAM_WIRE_BYTES if zero3 else grad_reduce_bytes
+    sp_bytes = inputs.compute_bytes if zero3 else grad_reduce_bytes
     _add(out, "all_reduce", sp_times * sp_tensors, sp_times * sp_bytes * sp_elems)
     if layout.tp * layout.pp * layout.dp * layout.cp > 1:
         _add(out, "all_reduce", 1, GRAD_NORM_BYTES)  # runtime/optim.py grad_norm: one fp32 scalar, every rank

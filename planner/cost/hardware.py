@@ -108,6 +108,7 @@ class Calibration:
 
 
 _CAL_STATUS = ("fitted", "transferred", "prior")
+COMPUTE_DTYPES = {"bf16": 2, "fp32": 4}  # GPUProfile.compute_dtype -> bytes per element
 
 
 def _build_calibration(data: Any, source: str) -> Calibration:
@@ -173,6 +174,15 @@ class GPUProfile:
     gemm_curve: GemmCurve
     attention_curve: AttentionCurve
     calibration: Calibration | None = None  # how the curves were fitted and their out-of-sample error
+    # the dtype mlm-run computes in on this device, which the plan prices (bytes of activations, of the compute copy
+    # of the weights, of tp/pp traffic): "bf16" (mixed precision, as on every GPU), or "fp32" (a CPU profile
+    # written by mlm-profile: mlm-run computes in fp32 there, and *_tflops hold the measured fp32 rate)
+    compute_dtype: str = "bf16"
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return COMPUTE_DTYPES[self.compute_dtype]
 
     def gemm_efficiency(self, size: float) -> float:
         """Fraction of dense peak a GEMM of `size` (see gemm_size) reaches; clamped at the curve's ends."""
@@ -281,6 +291,10 @@ def _build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
             values[key] = _build(hint, data[key], source, f"{prefix}{key}.")
         else:
             values[key] = _check_value(source, prefix + key, hint, data[key])
+    if values.get("compute_dtype", "bf16") not in COMPUTE_DTYPES:
+        raise PlanError(
+            f"{source}: key 'compute_dtype' must be one of {', '.join(COMPUTE_DTYPES)}, got {values['compute_dtype']!r}"
+        )
     if cls in (GemmCurve, AttentionCurve):
         xs, ys = values[names[0]], values["fractions"]
         if len(xs) != len(ys):

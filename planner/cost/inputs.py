@@ -27,7 +27,6 @@ from mlm.planner.errors import PlanError
 
 Split = Literal["col", "row", "vocab", "replicate", "sequence"]  # sequence: a replicated linear on SP's shard
 TPStates = Mapping[str, Mapping[str, str]]  # block name -> op-graph node -> "S" (split over tp) or "R" (whole)
-BF16_BYTES = 2
 FP32_BYTES = 4
 LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy all-reduces max, sum(exp) and the target logit (Megatron)
 
@@ -96,7 +95,7 @@ class LayerCost:
     vocab_size: int = 0
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
     expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
-    dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·bf16
+    dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·compute bytes
     kv_bytes: float = 0.0  # K and V bytes per sample of the attention ops, as ring context parallelism passes them
 
 
@@ -120,6 +119,9 @@ class ModelCostInputs:
     # (tp, sequence parallelism) -> these inputs with the blocks split as the sharding ILP split them, where that
     # differs from Megatron's rule (with_tp_styles); for_tp picks the one a layout runs
     tp_variants: tuple[tuple[tuple[int, bool], ModelCostInputs], ...] = ()
+    # bytes per element of the compute dtype (bf16 2; 4 where mlm-run computes in fp32): the weights' compute copy
+    # and FSDP's parameter all-gathers (ModelIR.compute_bytes; the activations were captured in it)
+    compute_bytes: float = 2.0
 
     @property
     def num_blocks(self) -> int:
@@ -198,6 +200,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         num_params=ir.num_params,
         block_costs=tuple(costs),
         active_params=_active_params(ir),
+        compute_bytes=float(ir.compute_bytes),
     )
 
 
@@ -285,7 +288,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     moe = getattr(layer, "moe", None)
     routed = dispatch = 0.0
     if moe is not None:
-        experts, routed, out_bytes = _experts(moe)
+        experts, routed, out_bytes = _experts(moe, ir.compute_bytes)
         gemms, sharded_params = gemms + experts, sharded_params + routed
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
         dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
@@ -348,10 +351,10 @@ def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
                 continue
             heads = shape[-3] if len(shape) >= 3 else 1
             kv_heads = d.get("kv_heads") or min(ir.num_kv_heads or heads, heads)
-            total += BF16_BYTES * d.get("flops", 0.0) * kv_heads / (2.0 * heads * shape[-2])
+            total += ir.compute_bytes * d.get("flops", 0.0) * kv_heads / (2.0 * heads * shape[-2])
         return total
     head_dim = ir.head_dim or ir.hidden_size // max(ir.num_heads, 1)
-    return len(layer.attention) * BF16_BYTES * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
+    return len(layer.attention) * ir.compute_bytes * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
 
 
 def _linears(
@@ -362,13 +365,13 @@ def _linears(
     sharded = 0.0
     fwd_n, fwd_b, bwd_n, bwd_b = 0, 0.0, 0, 0.0
     if layer.kind == "block":
-        splits, inputs = _block_splits(layer, tags, sp)
+        splits, inputs = _block_splits(layer, tags, sp, ir.compute_bytes)
         for op, split in zip(layer.linears, splits):
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, split))
             if split in ("col", "row"):
                 sharded += op.in_features * op.out_features + (op.out_features if op.has_bias and split == "col" else 0)
             if split == "row":  # g: all-reduce the row-parallel output in forward
-                fwd_n, fwd_b = fwd_n + 1, fwd_b + BF16_BYTES * op.rows * op.out_features
+                fwd_n, fwd_b = fwd_n + 1, fwd_b + ir.compute_bytes * op.rows * op.out_features
         for size in inputs:  # f: all-reduce the input gradient of each group of column-parallel linears
             bwd_n, bwd_b = bwd_n + 1, bwd_b + size
         return tuple(gemms), sharded, (fwd_n, fwd_b), (bwd_n, bwd_b)
@@ -376,18 +379,18 @@ def _linears(
         if op.kind == "embedding":
             if op.in_features == ir.vocab_size:  # vocab-parallel lookup: masked partial sums, all-reduced
                 sharded += op.in_features * op.out_features
-                fwd_n, fwd_b = fwd_n + 1, fwd_b + BF16_BYTES * op.rows * op.out_features
+                fwd_n, fwd_b = fwd_n + 1, fwd_b + ir.compute_bytes * op.rows * op.out_features
             continue
         if op.out_features == ir.vocab_size:  # vocab-parallel head: input gradient all-reduced in backward
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, "vocab"))
             sharded += op.in_features * op.out_features
-            bwd_n, bwd_b = bwd_n + 1, bwd_b + BF16_BYTES * op.rows * op.in_features
+            bwd_n, bwd_b = bwd_n + 1, bwd_b + ir.compute_bytes * op.rows * op.in_features
         else:
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, "replicate"))
     return tuple(gemms), sharded, (fwd_n, fwd_b), (bwd_n, bwd_b)
 
 
-def _experts(moe: MoEIR) -> tuple[tuple[Gemm, ...], float, float]:
+def _experts(moe: MoEIR, elem_bytes: int) -> tuple[tuple[Gemm, ...], float, float]:
     """The routed experts' GEMMs (all tokens·top_k·capacity rows as one grouped GEMM per expert weight; the first
     GEMMs, which read the hidden state, column-split, the later ones row-split under tp), their parameters, and the
     bytes of the combined output that the row-split experts all-reduce (one per direction)."""
@@ -397,17 +400,19 @@ def _experts(moe: MoEIR) -> tuple[tuple[Gemm, ...], float, float]:
         Gemm(rows, g.in_features, g.out_features, "col" if g.in_features == hidden else "row")  # type: ignore[arg-type]
         for g in moe.expert_gemms
     )
-    return gemms, float(moe.routed_params), float(BF16_BYTES * moe.tokens * hidden)
+    return gemms, float(moe.routed_params), float(elem_bytes * moe.tokens * hidden)
 
 
-def _block_splits(layer: LayerIR, tags: dict[str, str], sp: bool = False) -> tuple[list[Split], list[float]]:
+def _block_splits(
+    layer: LayerIR, tags: dict[str, str], sp: bool = False, elem_bytes: int = 2
+) -> tuple[list[Split], list[float]]:
     """The tp split of each block linear, read off the op graph's tags (_region_tags): a linear whose output is
     split is column-parallel, one reading a split tensor row-parallel, any other replicated (on SP's token shard
     under sequence parallelism); and, for backward, the bytes of each distinct input feeding column-parallel
     linears. Without an op graph: GPT's pattern, alternating column/row linears and two all-reduces of the residual
     stream each way."""
     g = layer.ops
-    residual = BF16_BYTES * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
+    residual = elem_bytes * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
     if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(layer.linears):
         return ["col" if i % 2 == 0 else "row" for i in range(len(layer.linears))], [residual] * 2
     splits: list[Split] = []

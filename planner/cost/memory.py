@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from mlm.planner.cost.inputs import LayerCost
 
-PARAM_BYTES = 2.0  # bf16 compute copy of the weights
+PARAM_BYTES = 2.0  # bf16 compute copy of the weights (compute_copy_bytes for another compute dtype)
 MASTER_BYTES = 4.0  # fp32 master weights (FSDP2's sharded parameter under MixedPrecisionPolicy)
 GRAD_BYTES = 4.0  # fp32 gradients (FSDP2 reduce_dtype, Megatron main_grad)
 ADAM_BYTES = 8.0  # Adam's two fp32 moments
@@ -81,18 +81,33 @@ def local_params(layer: LayerCost, tp: int) -> float:
     return layer.params_sharded / tp + layer.params_replicated
 
 
+def compute_copy_bytes(compute_bytes: float, dp: int) -> float:
+    """Bytes per parameter that the compute copy of the weights takes beside the fp32 master (docs/semantics.md):
+    bf16 compute, the bf16 copy FSDP2 gathers (2, at dp 1 too: fully_shard over one rank casts). fp32 compute (CPU
+    runs): FSDP2's unsharded fp32 parameter, or DDP's fp32 gradient buckets (4, the same size), and nothing when
+    dp = 1 (no wrapper: the optimizer steps the parameters the model computes with)."""
+    if compute_bytes == PARAM_BYTES:
+        return PARAM_BYTES
+    return 0.0 if dp == 1 else float(compute_bytes)
+
+
 def state_bytes(
-    params: float, zero: int, dp: int, pipelined: bool = False, grad_bytes: float = GRAD_BYTES
+    params: float,
+    zero: int,
+    dp: int,
+    pipelined: bool = False,
+    grad_bytes: float = GRAD_BYTES,
+    compute_bytes: float = PARAM_BYTES,
 ) -> MemoryBreakdown:
     """Parameter, gradient and optimizer bytes of `params` local parameters under ZeRO stage `zero` (module doc);
-    the fp32 master weights count as parameters, as the runtime holds them (the sharded FSDP2 parameter)."""
+    the fp32 master weights count as parameters, as the runtime holds them (the sharded FSDP2 parameter), with the
+    compute copy of `compute_bytes` per element (compute_copy_bytes)."""
     if zero >= 3 and not pipelined:
         return MemoryBreakdown(params * MASTER_BYTES / dp, params * grad_bytes / dp, params * ADAM_BYTES / dp)
+    copy = compute_copy_bytes(compute_bytes, dp)
     if zero >= 1:
-        return MemoryBreakdown(
-            params * (PARAM_BYTES + MASTER_BYTES / dp), params * grad_bytes, params * ADAM_BYTES / dp
-        )
-    return MemoryBreakdown(params * (PARAM_BYTES + MASTER_BYTES), params * grad_bytes, params * ADAM_BYTES)
+        return MemoryBreakdown(params * (copy + MASTER_BYTES / dp), params * grad_bytes, params * ADAM_BYTES / dp)
+    return MemoryBreakdown(params * (copy + MASTER_BYTES), params * grad_bytes, params * ADAM_BYTES)
 
 
 def bytes_per_param(zero: int, dp: int, pipelined: bool = False) -> float:
@@ -100,10 +115,13 @@ def bytes_per_param(zero: int, dp: int, pipelined: bool = False) -> float:
     return state_bytes(1.0, zero, dp, pipelined).static
 
 
-def zero3_buffer_bytes(block: LayerCost, tp: int, zero: int, pipelined: bool = False) -> float:
-    """FSDP keeps the gathered bf16 parameters of the current and the prefetched block and the unsharded fp32
-    gradients of one block before they are reduce-scattered (none of it extra when pipelined: all stay whole)."""
-    return 0.0 if zero < 3 or pipelined else local_params(block, tp) * (2 * PARAM_BYTES + GRAD_BYTES)
+def zero3_buffer_bytes(
+    block: LayerCost, tp: int, zero: int, pipelined: bool = False, compute_bytes: float = PARAM_BYTES
+) -> float:
+    """FSDP keeps the gathered parameters (in the compute dtype) of the current and the prefetched block and the
+    unsharded fp32 gradients of one block before they are reduce-scattered (none of it extra when pipelined: all
+    stay whole)."""
+    return 0.0 if zero < 3 or pipelined else local_params(block, tp) * (2 * compute_bytes + GRAD_BYTES)
 
 
 def activation_bytes(

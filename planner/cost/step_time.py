@@ -22,25 +22,27 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
   pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation
               as mlm-run sends it: the whole activation per tp rank, or its sequence shard (1/tp) under SP.
   bubble      planner/cost/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
-  dp comm     bf16 gradient all-reduce in DDP buckets (zero 0) or reduce-scatter + parameter all-gather
-              (zero 1) of the rank's local parameters once per step; zero 3 gathers each layer's parameters in
-              forward and in backward (where a fully recomputed forward runs) on every micro-batch, and
-              reduce-scatters per layer once per step (mlm-run) or every micro-batch. Latency grows with the ring
+  dp comm     gradient all-reduce in DDP buckets (zero 0; CostOptions.grad_reduce_bytes per element) or
+              reduce-scatter + all-gather of the parameters in the compute dtype (zero 1) of the rank's local
+              parameters once per step; zero 3 gathers each layer's parameters in forward and in backward
+              (where a fully recomputed forward runs) on every micro-batch, and reduce-scatters per layer once
+              per step (mlm-run) or every micro-batch. Latency grows with the ring
               and a group spanning nodes runs at its members' NIC bandwidth (collectives.py). What overlaps:
               CostOptions (default mlm-run, torch DDP/FSDP2: hidden up to the compute it runs under; MEGATRON_2021:
               nothing hidden). Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
   optimizer   Adam as a memory-bound pass: 28 bytes per local parameter (fp32 master, m, v read+written; bf16
-              grad read, bf16 weight written), sharded over dp under zero >= 1.
+              grad read, bf16 weight written; with fp32 compute the same 28: fp32 grad read, no copy written),
+              sharded over dp under zero >= 1.
   ep          expert parallelism (ep carved out of dp·cp, layout.py): each rank holds 1/ep of every MoE layer's
               routed experts (parameters, gradients, optimizer states ÷ep, the states sharded under zero over the
               dp·cp/ep ranks that hold the same experts, whose gradients are reduced over that group) and the dense
               part as dp·cp says. Its tokens reach their experts by an all-to-all (dispatch) and come back by
               another (combine), forward and again in backward: 4 per MoE layer and micro-batch of
-              tokens·top_k·capacity·hidden·2 bytes (÷tp under SP: each tp rank dispatches its sequence shard), over
-              NVLink inside a node, the NIC across (collectives.all_to_all_s), not overlapped (Megatron-Core's
-              default). A rank receives tokens·top_k·capacity rows on average from its ep group, as many as it
-              sends, so the expert GEMMs per rank are those of ep = 1; the capacity factor is the imbalance
-              allowance (capture's option, in the warnings).
+              tokens·top_k·capacity·hidden·compute bytes (÷tp under SP: each tp rank dispatches its sequence
+              shard), over NVLink inside a node, the NIC across (collectives.all_to_all_s), not overlapped
+              (Megatron-Core's default). A rank receives tokens·top_k·capacity rows on average from its ep
+              group, as many as it sends, so the expert GEMMs per rank are those of ep = 1; the capacity factor is
+              the imbalance allowance (capture's option, in the warnings).
   cp          context parallelism: each sequence split over cp ranks in 2·cp load-balanced causal chunks, so every
               token-proportional term (GEMM rows, attention score work, memory-bound bytes, activations, tp and pp
               traffic, all-to-alls) is ÷cp per rank, attention at the efficiency of s/cp-long chunks. As mlm-run
@@ -500,7 +502,7 @@ def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout, gathered: bool = T
     kind's when blocks differ."""
     tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
     kinds = (inputs.block,) if inputs.uniform_blocks else inputs.block_kinds[0]
-    buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1) for c in kinds)
+    buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1, inputs.compute_bytes) for c in kinds)
     working = max(working_bytes(c, layout.recompute, tp, sp, mb, gathered) for c in kinds)
     return buffer, working
 
@@ -613,7 +615,7 @@ def evaluate(
                 )
                 params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
-        static = stage_state_bytes(params, experts, layout, options.grad_buffer_bytes)
+        static = stage_state_bytes(params, experts, layout, options.grad_buffer_bytes, inputs.compute_bytes)
         memory = MemoryBreakdown(
             static.params + (buffer if rank_wide else 0.0),
             static.grads,
@@ -661,15 +663,17 @@ def rank_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
     return (layer.params_sharded - layer.expert_params) / tp + layer.params_replicated + experts, experts
 
 
-def stage_state_bytes(params: float, experts: float, layout: Layout, grad_bytes: float = GRAD_BYTES) -> MemoryBreakdown:
+def stage_state_bytes(
+    params: float, experts: float, layout: Layout, grad_bytes: float = GRAD_BYTES, compute_bytes: float = 2.0
+) -> MemoryBreakdown:
     """Parameter, gradient and optimizer bytes of `params` local parameters, `experts` of them routed experts:
     the dense part sharded (per zero) over the dp·cp ranks, the experts over the dp·cp/ep that hold them;
-    gradients of `grad_bytes` each (CostOptions.grad_buffer_bytes)."""
+    gradients of `grad_bytes` each (CostOptions.grad_buffer_bytes), the compute copy in `compute_bytes`."""
     pipelined, zero = layout.pp > 1, layout.zero
-    per = state_bytes(1.0, zero, layout.dp * layout.cp, pipelined, grad_bytes)
+    per = state_bytes(1.0, zero, layout.dp * layout.cp, pipelined, grad_bytes, compute_bytes)
     if layout.ep == 1:
         return MemoryBreakdown(params * per.params, params * per.grads, params * per.optimizer)
-    per_e = state_bytes(1.0, zero, layout.expert_dp, pipelined, grad_bytes)
+    per_e = state_bytes(1.0, zero, layout.expert_dp, pipelined, grad_bytes, compute_bytes)
     dense = params - experts
     return MemoryBreakdown(
         dense * per.params + experts * per_e.params,
@@ -794,10 +798,11 @@ def _dp_rank_time(
         gathers = 2
         reduces = m if options.zero3_reduce_every_microbatch else 1
         comm = sum(
-            m * gathers * all_gather_s(2.0 * p, n, link, layers) + reduces * reduce_scatter_s(grb * p, n, link, layers)
+            m * gathers * all_gather_s(inputs.compute_bytes * p, n, link, layers)
+            + reduces * reduce_scatter_s(grb * p, n, link, layers)
             for p, n, link in groups
         )
-        first = max(all_gather_s(2.0 * p / layers, n, link) for p, n, link in groups)
+        first = max(all_gather_s(inputs.compute_bytes * p / layers, n, link) for p, n, link in groups)
         window = m * (forward + backward)
         return max(first, comm - o * window) if o > 0 else comm
     if layout.zero == 0:
@@ -814,7 +819,7 @@ def _dp_rank_time(
     # (FSDP2 reshards after each backward), once per step with it (the pipeline keeps them between micro-batches)
     gathers = 1 if layout.pp > 1 else m
     rs = sum(reduce_scatter_s(grb * p, n, link) for p, n, link in groups)
-    ag = sum(gathers * all_gather_s(2.0 * p, n, link) for p, n, link in groups)
+    ag = sum(gathers * all_gather_s(inputs.compute_bytes * p, n, link) for p, n, link in groups)
     if o <= 0:
         return rs + ag
     return max(0.0, rs - o * backward) + max(0.0, ag - o * gathers * forward)
@@ -930,12 +935,14 @@ def stage_coefficients(
     terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, options, cluster)
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, options, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, options, cluster)
-    per_param = state_bytes(1.0, zero, layout.dp * layout.cp, layout.pp > 1, options.grad_buffer_bytes).static
+    per_param = state_bytes(
+        1.0, zero, layout.dp * layout.cp, layout.pp > 1, options.grad_buffer_bytes, inputs.compute_bytes
+    ).static
 
     def static(params: float, experts: float) -> float:
         if layout.ep == 1:
             return per_param * params
-        return stage_state_bytes(params, experts, layout, options.grad_buffer_bytes).static
+        return stage_state_bytes(params, experts, layout, options.grad_buffer_bytes, inputs.compute_bytes).static
 
     def edge_static(layer: LayerCost, extra: float = 0.0) -> float:
         params, experts = rank_params(layer, tp, layout.ep)

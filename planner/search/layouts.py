@@ -588,6 +588,11 @@ def priced_inputs(
     ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, sharder: Sharder | None = None
 ) -> ModelCostInputs:
     """The model's cost inputs with every (tp, sp) the request allows priced as the sharding ILP shards it."""
+    if ir.compute_bytes != gpu.compute_bytes:  # activations were captured in another dtype than the device computes
+        raise PlanError(
+            f"the model was captured with {ir.compute_bytes}-byte activations but {gpu.name} computes in "
+            f"{gpu.compute_dtype}: capture with dtype={gpu.compute_dtype!r} (mlm-plan does this from --gpu)"
+        )
     sharder = sharder or Sharder(ir, gpu, cluster, request.solver, request.time_limit_s)
     sps = [request.sequence_parallel] if request.sequence_parallel is not None else [False, True]
     return sharder.priced_inputs((tp, bool(sp)) for tp in _tp_options(ir, request, cluster) for sp in sps)

@@ -134,7 +134,7 @@ def build_plan(
             gpus_per_node=cluster.gpus_per_node,
             profile={"gpu": gpu.to_dict(), "cluster": cluster.to_dict()},
         ),
-        training=Training(global_batch=layout.global_batch, seq_len=ir.seq_len, dtype="bf16"),
+        training=Training(global_batch=layout.global_batch, seq_len=ir.seq_len, dtype=gpu.compute_dtype),
         layout=layout,
         stages=stages,
         tensor_parallel=tensor_parallel,

@@ -180,10 +180,10 @@ def gpus_for_deadline(
 
 
 def capture_args(
-    model: str, entry: str | None, args: dict[str, Any], seq_len: int | None, method: str = "auto"
+    model: str, entry: str | None, args: dict[str, Any], seq_len: int | None, method: str = "auto", dtype: str = "bf16"
 ) -> ModelIR:
-    """Load and capture MODEL built with `args` (meta device, no weights)."""
-    return capture(load_model_spec(model, entry, args), seq_len=seq_len, method=method)
+    """Load and capture MODEL built with `args` (meta device, no weights; activations in the compute `dtype`)."""
+    return capture(load_model_spec(model, entry, args), seq_len=seq_len, method=method, dtype=dtype)
 
 
 def largest_model(
@@ -210,7 +210,7 @@ def largest_model(
     feasibility = replace(request, refine=0)  # whether a layout fits does not depend on the stage MILP
 
     def fits(k: int) -> bool:
-        irs[k] = capture_args(model, entry, scaled_args(base, scale, k), seq_len, method)
+        irs[k] = capture_args(model, entry, scaled_args(base, scale, k), seq_len, method, gpu.compute_dtype)
         try:
             best_candidate(irs[k], feasibility, gpu, cluster)
         except PlanError:

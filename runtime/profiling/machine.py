@@ -443,6 +443,7 @@ def build_profiles(m: Measurement, name: str, cluster_ref: str, gpu_ref: str) ->
             tuple(float(s) for s, _ in m.attention_tflops),
             tuple(_sig(min(1.0, r / raw_peak)) for _, r in m.attention_tflops),
         ),
+        compute_dtype="fp32" if m.device == "cpu" else "bf16",  # what mlm-run computes in on this device
     )
     cluster = ClusterProfile(
         name=f"{name}-local",
@@ -488,6 +489,7 @@ def render(m: Measurement, gpu: GPUProfile, cluster: ClusterProfile) -> tuple[st
         "memory_bound_efficiency": f"c = a + b bandwidth / copy bandwidth ({m.elementwise_gbps:.1f} GB/s)",
         "gemm_curve": "n x n x n GEMMs; size = geometric mean of (m, n, k)",
         "attention_curve": "causal SDPA fwd+bwd, FLOPs 7*b*h*s^2*d, over bf16_tflops",
+        "compute_dtype": "what mlm-run computes in on this device; plans for this profile are priced in it",
     }
     cluster_header = (
         f"Measured by mlm-profile on {when}: {c.world_size} local ranks, {c.backend}.\n"

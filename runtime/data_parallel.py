@@ -107,6 +107,8 @@ def apply_data_parallel(
 
         wrap = replicate
     if expert_banks is not None:
+        # each bank its own group over the ranks holding the same experts; with replicate() that group all-reduces
+        # even when it is one rank (ep = dp·cp), a call that moves nothing (collective_counts counts it)
         for bank in expert_banks[0]:
             wrap(bank, mesh=expert_banks[1], mp_policy=mp)
     shared = _params_shared_between(layer_modules)

@@ -32,8 +32,10 @@ recorded rows) and the routing weights through pass 2. Cost: the MoE module's no
 experts) runs twice forward; only pass 2's output is used. Only this rank's experts exist here (the others are
 parameter-free until the call), each its own data-parallel group over the ranks holding the same experts.
 
-Not run here: ep with tp > 1 (expert-tensor parallelism) and the dry run of ep plans (routing reads tensor
-values, which fake tensors do not have) are refused.
+The dry run (fake tensors: the routing has no values) executes fused banks with every expert receiving its
+balanced share of the (token, k) pairs (`balanced_counts`, the cost model's capacity factor 1): the same calls and
+bytes as a perfectly balanced step. Not run here: ep with tp > 1 (expert-tensor parallelism), and the dry run of
+experts in an nn.ModuleList (the model's own dispatch sizes its tensors from the routing), both refused.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch import nn
 
 from mlm.planner.capture.moe import find_moe
 from mlm.planner.errors import Infeasible
+from mlm.runtime.tensor_parallel import is_fake
 
 
 @dataclass(frozen=True)
@@ -162,18 +165,21 @@ def exchange(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs by expert, hence by owner rank
     token = order // k
-    counts = torch.bincount(flat, minlength=num_experts).view(size, local)
+    if is_fake(flat):  # the dry run: routing has no values; each expert gets its balanced share (balanced_counts)
+        counts = torch.tensor(balanced_counts(flat.numel(), num_experts), device=flat.device).view(size, local)
+    else:
+        counts = torch.bincount(flat, minlength=num_experts).view(size, local)
 
     def run_bank(rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
         expert_of_row = torch.repeat_interleave(
-            torch.arange(local, device=rows.device).repeat(size), received.reshape(-1)
+            torch.arange(local, device=rows.device).repeat(size), received.reshape(-1), output_size=rows.shape[0]
         ).unsqueeze(1)
         ones = torch.ones(expert_of_row.shape, dtype=top_k_weights.dtype, device=rows.device)
         had = getattr(module, "num_experts", None)
         if isinstance(had, int):
             module.num_experts = local
         try:
-            return original(rows, expert_of_row, ones)
+            return _call_bank(module, original, rows, expert_of_row, ones)
         finally:
             if isinstance(had, int):
                 module.num_experts = had
@@ -181,6 +187,32 @@ def exchange(
     back = _rows_to_owners_and_back(hidden[token], counts, ep, run_bank)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     return torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token, back * weights).to(hidden.dtype)
+
+
+def _call_bank(module: nn.Module, original: Any, *args: torch.Tensor) -> torch.Tensor:
+    """The bank's own forward on the received rows. Under the dry run's fake tensors a loop over experts that finds
+    each one's rows with nonzero / where has no size to give; a transformers bank is then run with its grouped_mm
+    implementation (transformers' `experts_implementation`: one grouped GEMM over rows sorted by expert, shapes
+    known without values), and any other bank is refused with the reason."""
+    if not is_fake(args[0]):
+        return original(*args)
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    config = getattr(module, "config", None)
+    kept = getattr(config, "_experts_implementation", None)
+    if kept is None:
+        try:
+            return original(*args)
+        except DynamicOutputShapeException:
+            raise Infeasible(
+                f"the dry run of ep > 1: the expert bank {type(module).__name__} finds its rows with data-dependent "
+                f"ops (nonzero / where), which fake tensors cannot size"
+            ) from None
+    config._experts_implementation = "grouped_mm"
+    try:
+        return original(*args)
+    finally:
+        config._experts_implementation = kept
 
 
 def _rows_to_owners_and_back(
@@ -198,10 +230,27 @@ def _rows_to_owners_and_back(
 
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=ep.group)
-    send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+    if is_fake(counts):
+        # the dry run: every rank routes its tokens alike (balanced_counts), so it receives from each peer what it
+        # sends that peer for its own experts; the all-to-all of the counts above still runs (it is counted)
+        table = balanced_counts(int(send.shape[0]), counts.numel())
+        local = counts.shape[1]
+        mine = table[ep.rank * local : (ep.rank + 1) * local]
+        received = torch.tensor([mine] * ep.size, device=counts.device)
+        send_splits = [sum(table[r * local : (r + 1) * local]) for r in range(ep.size)]
+        recv_splits = [sum(mine)] * ep.size
+    else:
+        send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
     rows = wait_tensor(all_to_all_single_autograd(send, recv_splits, send_splits, ep.group))
     out = compute(rows, received)
     return wait_tensor(all_to_all_single_autograd(out, send_splits, recv_splits, ep.group))
+
+
+def balanced_counts(rows: int, num_experts: int) -> list[int]:
+    """`rows` (token, k) pairs spread over `num_experts` as evenly as they go: the routing the cost model prices
+    (capacity factor 1), which the dry run executes because fake tensors have no routing values."""
+    base, extra = divmod(rows, num_experts)
+    return [base + (1 if e < extra else 0) for e in range(num_experts)]
 
 
 def expert_params(stage_modules: list[nn.Module], ep: ExpertParallel | None) -> list[nn.Parameter]:
@@ -287,6 +336,11 @@ def two_passes(
     calls = _ListCalls()
     if ep.paused:  # the pipeline's shape inference: zeros from every expert, no exchange
         return _with_slots(original, experts, keys, calls, args, kwargs)
+    if any(isinstance(a, torch.Tensor) and is_fake(a) for a in pytree.tree_leaves((args, kwargs))):
+        raise Infeasible(
+            "the dry run of ep > 1 runs fused expert banks only: experts in an nn.ModuleList keep the model's own "
+            "dispatch, whose token counts per expert are data-dependent, which fake tensors cannot size"
+        )
     real = [experts._modules[keys[i]] for i in mine]
     _with_slots(original, experts, keys, calls, args, kwargs)
     size, local = ep.size, len(mine)

@@ -25,6 +25,8 @@ step_time.py's docstring):
            full recompute) and a reduce-scatter of dK and one of dV, of cp·micro_batch·kv_bytes/tp each (the
            gathered K/V; `layer` holds one cp rank's share, inputs.cp_share); the tp and pp traffic is one rank's
            part of the sequence, and the dp terms reduce over dp·cp ranks
+  ep       per MoE layer and micro-batch an all-to-all of the per-expert row counts, the dispatch and the combine
+           forward (again under full recompute) and their two reverses backward, over the ep group
   tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank (of the
            rank's dp shard under ZeRO >= 1)
   norm     more than one rank: one all-reduce of the squared gradient norm (4 bytes) over every rank
@@ -99,6 +101,56 @@ def _cp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: in
     _add(out, "reduce_scatter", m * 2, m * gathered)
 
 
+def _ep(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: int, recompute: str) -> None:
+    """Expert parallelism (runtime/expert_parallel.py), per MoE layer and micro-batch: forward, an all-to-all of
+    the per-expert row counts, the dispatch and the combine (again under full recompute); backward, the reverse
+    of the dispatch and of the combine. Rows: the rank's tokens·top_k·capacity, hidden wide."""
+    if layout.ep <= 1 or not layer.moe_layer_count:
+        return
+    rows = layout.micro_batch * layer.dispatch_bytes / (layout.tp if layout.sequence_parallel else 1)
+    forwards = 2 if recompute == "full" else 1
+    n = layer.moe_layer_count
+    _add(
+        out,
+        "all_to_all",
+        m * n * (3 * forwards + 2),
+        m * (forwards * (layer.expert_counts_bytes + 2 * rows) + 2 * rows),
+    )
+
+
+def _dp(
+    out: dict[str, CollectiveCount],
+    params: float,
+    units: int,
+    group: int,
+    layout: Layout,
+    wire: tuple[float, float, bool],
+    replicated_alone: bool = False,
+) -> None:
+    """The gradient reduction (and FSDP's parameter gathers) of `params` local parameters in `units` FSDP units
+    over a group of `group` ranks; wire: gradient bytes per element, parameter bytes per element, whether ZeRO-3
+    reduces every micro-batch. A one-rank group communicates nothing, but a replicate() group of one rank (zero 0,
+    `replicated_alone`: the expert banks of ep = dp·cp) still issues its all-reduce per unit."""
+    grad_bytes, param_bytes, every_microbatch = wire
+    if group <= 1:
+        if replicated_alone and layout.zero == 0:
+            _add(out, "all_reduce", units, grad_bytes * params)
+        return
+    m, pp = layout.num_microbatches, layout.pp
+    grads = grad_bytes * params
+    if layout.zero == 0:
+        _add(out, "all_reduce", units, grads)
+    elif layout.zero == 1 or pp > 1:  # FSDP2 without resharding after forward
+        gathers = 1 if pp > 1 else m
+        _add(out, "reduce_scatter", units, grads)
+        _add(out, "all_gather", gathers * units, gathers * param_bytes * params)
+    else:
+        gathers = 2 * m  # forward and backward (a fully recomputed forward runs on the backward's gather)
+        reduces = m if every_microbatch else 1
+        _add(out, "all_gather", gathers * units, gathers * param_bytes * params)
+        _add(out, "reduce_scatter", reduces * units, reduces * grads)
+
+
 def rank_collectives(
     inputs: ModelCostInputs,
     layout: Layout,
@@ -119,27 +171,32 @@ def rank_collectives(
     out: dict[str, CollectiveCount] = {}
     stages = [i for i in range(len(blocks_per_stage)) if i % pp == pp_rank]
     last = len(blocks_per_stage) - 1
-    params = 0.0
-    unit_count = 0
+    params = expert_params = 0.0
+    unit_count = expert_units = 0
     sp_tensors, sp_elems = 0, 0.0
     for i in stages:
-        layers = [inputs.block] * blocks_per_stage[i]
-        if i == 0:
-            layers.insert(0, inputs.pre)
-        if i == last:
-            layers.append(inputs.post)
-        recomputed = blocks_per_stage[i] if recompute_blocks is None else recompute_blocks[i]
+        first_block, n = sum(blocks_per_stage[:i]), blocks_per_stage[i]
+        # each block as itself where the IR's blocks differ (a dense block before MoE ones), else the mean block
+        own = list(inputs.block_costs[first_block : first_block + n]) if inputs.block_costs else [inputs.block] * n
+        layers = ([inputs.pre] if i == 0 else []) + own + ([inputs.post] if i == last else [])
+        recomputed = n if recompute_blocks is None else recompute_blocks[i]
         for k, layer in enumerate(layers):  # the layers before and after the blocks are not recomputed
             block = k - (1 if i == 0 else 0)
-            is_block = layer is inputs.block and 0 <= block < blocks_per_stage[i]
+            is_block = 0 <= block < n
             recompute = layout.recompute if is_block and block < recomputed else "none"
-            _tp(out, layer, layout, m, recompute)
-            _cp(out, layer, layout, m, recompute)
+            _tp(out, inputs.block if is_block else layer, layout, m, recompute)
+            _cp(out, inputs.block if is_block else layer, layout, m, recompute)
+            _ep(out, layer, layout, m, recompute)
+            expert_units += layer.moe_layer_count if layout.ep > 1 else 0
             if layout.tp > 1 and layout.sequence_parallel:
-                sp_tensors += layer.sp_param_count
-                sp_elems += layer.sp_param_elems
+                sp_tensors += (inputs.block if is_block else layer).sp_param_count
+                sp_elems += (inputs.block if is_block else layer).sp_param_elems
         held = [local_params(layer, layout.tp) for layer in layers]
         params += sum(held)
+        if layout.ep > 1:  # the routed experts: 1/ep of them here, reduced over the ranks holding the same ones
+            experts = sum(layer.expert_params for layer in layers) / layout.tp
+            params -= experts
+            expert_params += experts / layout.ep
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
         unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
         if pp > 1:
@@ -152,19 +209,10 @@ def rank_collectives(
         # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
         shard = vs * (dp if layout.zero >= 1 else 1)
         _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / shard)
-    if dp > 1:
-        grads = grad_reduce_bytes * params
-        if layout.zero == 0:
-            _add(out, "all_reduce", unit_count, grads)
-        elif layout.zero == 1 or pp > 1:  # FSDP2 without resharding after forward
-            gathers = 1 if pp > 1 else m
-            _add(out, "reduce_scatter", unit_count, grads)
-            _add(out, "all_gather", gathers * unit_count, gathers * inputs.compute_bytes * params)
-        else:
-            gathers = 2 * m  # forward and backward (a fully recomputed forward runs on the backward's gather)
-            reduces = m if zero3_reduce_every_microbatch else 1
-            _add(out, "all_gather", gathers * unit_count, gathers * inputs.compute_bytes * params)
-            _add(out, "reduce_scatter", reduces * unit_count, reduces * grads)
+    wire = (grad_reduce_bytes, inputs.compute_bytes, zero3_reduce_every_microbatch)
+    _dp(out, params, unit_count, dp, layout, wire)
+    if layout.ep > 1 and dp > 1:  # each expert bank its own FSDP unit over expert_dp ranks (runtime/data_parallel.py)
+        _dp(out, expert_params, expert_units, layout.expert_dp, layout, wire, replicated_alone=True)
     # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
     # the unsharded gradient in the compute dtype (before FSDP's reduce-scatter casts it), else once per step
     zero3 = dp > 1 and layout.zero == 3 and pp == 1

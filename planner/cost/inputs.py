@@ -96,6 +96,10 @@ class LayerCost:
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
     expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
     dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·compute bytes
+    # MoE layers merged into this one, and the bytes of the per-expert row counts each exchanges first (int64, one
+    # per routed expert: mlm-run's all-to-all of the counts before the dispatch)
+    moe_layer_count: int = 0
+    expert_counts_bytes: float = 0.0
     kv_bytes: float = 0.0  # K and V bytes per sample of the attention ops, as ring context parallelism passes them
 
 
@@ -286,12 +290,14 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     gemms, sharded_params, fwd, bwd = _linears(layer, ir, tags, sp)
     gathered = bwd[1]  # distinct inputs of the column-parallel linears (before any MoE term)
     moe = getattr(layer, "moe", None)
-    routed = dispatch = 0.0
+    routed = dispatch = counts_bytes = 0.0
+    moe_layers = 0
     if moe is not None:
         experts, routed, out_bytes = _experts(moe, ir.compute_bytes)
         gemms, sharded_params = gemms + experts, sharded_params + routed
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
         dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
+        moe_layers, counts_bytes = 1, 8.0 * moe.num_experts
     mem_s, core = _memory_split(layer, ir.seq_len, kind, tags)
     fixed = (0, 0.0)
     if kind == "embedding":  # the vocabulary-parallel lookup's all-reduce (a replicated output, with or without SP)
@@ -332,6 +338,8 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         model_flops=layer.flops_matmul + layer.flops_attention,
         expert_params=routed,
         dispatch_bytes=dispatch,
+        moe_layer_count=moe_layers,
+        expert_counts_bytes=counts_bytes,
         kv_bytes=_kv_bytes(layer, ir),
     )
 

@@ -116,12 +116,15 @@ def bytes_per_param(zero: int, dp: int, pipelined: bool = False) -> float:
 
 
 def zero3_buffer_bytes(
-    block: LayerCost, tp: int, zero: int, pipelined: bool = False, compute_bytes: float = PARAM_BYTES
+    block: LayerCost, tp: int, zero: int, pipelined: bool = False, compute_bytes: float = PARAM_BYTES, ep: int = 1
 ) -> float:
     """FSDP keeps the gathered parameters (in the compute dtype) of the current and the prefetched block and the
     unsharded fp32 gradients of one block before they are reduce-scattered (none of it extra when pipelined: all
-    stay whole)."""
-    return 0.0 if zero < 3 or pipelined else local_params(block, tp) * (2 * compute_bytes + GRAD_BYTES)
+    stay whole); of the routed experts, the 1/ep this rank holds."""
+    if zero < 3 or pipelined:
+        return 0.0
+    params = local_params(block, tp) - block.expert_params / tp * (1.0 - 1.0 / ep)
+    return params * (2 * compute_bytes + GRAD_BYTES)
 
 
 def activation_bytes(

@@ -502,7 +502,7 @@ def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout, gathered: bool = T
     kind's when blocks differ."""
     tp, sp, mb = layout.tp, layout.sequence_parallel, layout.micro_batch
     kinds = (inputs.block,) if inputs.uniform_blocks else inputs.block_kinds[0]
-    buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1, inputs.compute_bytes) for c in kinds)
+    buffer = max(zero3_buffer_bytes(c, tp, layout.zero, layout.pp > 1, inputs.compute_bytes, layout.ep) for c in kinds)
     working = max(working_bytes(c, layout.recompute, tp, sp, mb, gathered) for c in kinds)
     return buffer, working
 

@@ -426,3 +426,14 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
         peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
         print(name, rank["stage"], f"peak {peak / 2**20:.3f} MiB, predicted {want / 2**20:.3f} MiB")
         assert peak == pytest.approx(want, rel=0.10)
+
+
+def test_dry_run_of_experts_in_a_module_list_says_why_it_cannot(tmp_path: Path) -> None:
+    """Experts in an nn.ModuleList run the model's own dispatch loop, whose per-expert sizes come from the routing's
+    values: the dry run stops with that reason (exit 2), not an internal error."""
+    model = str(Path(__file__).parent / "models" / "hand_moe.py")
+    pins = ("--gpus", "2", "--ep", "2", "--dp", "2", "--tp", "1", "--pp", "1", "--zero", "1", "--micro-batch", "2")
+    path = write_plan(tmp_path, "hand", [model, "--seq-len", "32", "--global-batch", "8", *pins])
+    proc = _cli("mlm.cli.run", str(path), "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "nn.ModuleList" in proc.stderr and "data-dependent" in proc.stderr

@@ -38,6 +38,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan
 from mlm.runtime.memory_tracker import StorageTracker
@@ -271,36 +272,6 @@ def _metadata_on_real_tensors() -> Iterator[None]:
             setattr(owner, name, original)
 
 
-@contextlib.contextmanager
-def _unpacked_positions() -> Iterator[None]:
-    """Hugging Face decoders decide from the position ids whether sequences are packed in a row, and build an
-    explicit causal mask when they are (masking_utils.find_packed_sequence_indices); on fake tensors that test has
-    no values to read, so transformers assumes packing, builds the mask and repeats grouped-query K/V for it, where
-    the run (whose position ids are always 0..T-1: one sequence per row) calls SDPA causal with the model's kv heads.
-    For the dry run's duration fake position ids are taken as unpacked, as the run's are. No transformers API
-    exposes the choice, hence the wrapping; without transformers, nothing to do."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if original is None:
-        yield
-        return
-
-    def unpacked(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        from mlm.runtime.tensor_parallel import is_fake
-
-        return None if is_fake(position_ids) else original(position_ids, *args, **kwargs)
-
-    masking_utils.find_packed_sequence_indices = unpacked
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original
-
-
 class _LazyChunks(Sequence):
     """torch.chunk(tensor, n, dim) padded with empty tensors to n, as FSDP2's _chunk_with_empty returns, but each
     chunk made (as the same view, by narrow) only when read. FSDP2 reads one chunk of each parameter, its rank's;
@@ -385,7 +356,7 @@ def _dry_run_role(
             layout=dataclasses.replace(lay, num_microbatches=executed),
             training=dataclasses.replace(plan.training, global_batch=lay.micro_batch * executed * lay.dp),
         )
-    with _fake_world(rank, lay.world_size), _metadata_on_real_tensors(), _unpacked_positions():
+    with _fake_world(rank, lay.world_size), _metadata_on_real_tensors(), unpacked_positions():
         info = build_mesh(lay, "cpu")
         # fake=False: the same step on real tensors (collectives still return at once): how the tests check that the
         # fake execution allocates what a real one does

@@ -36,6 +36,7 @@ from mlm.planner.capture.blocks import BlockGroup
 from mlm.planner.capture.experts import with_experts
 from mlm.planner.capture.facts import GraphFacts, graph_facts, unused_parameters
 from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp, ModelIR, MoEIR
+from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, tensor_args, val
@@ -477,6 +478,13 @@ def _forward_hint(model: nn.Module) -> str:
 
 
 def _capture_graph(
+    spec: ModelSpec, model: nn.Module, groups: list[BlockGroup], seq: int, method: str, moe: dict[str, MoESite]
+) -> tuple[list[LayerIR], str, GraphFacts]:
+    with unpacked_positions():  # Hugging Face decoders traced as they run in training (hf_positions.py)
+        return _traced(spec, model, groups, seq, method, moe)
+
+
+def _traced(
     spec: ModelSpec, model: nn.Module, groups: list[BlockGroup], seq: int, method: str, moe: dict[str, MoESite]
 ) -> tuple[list[LayerIR], str, GraphFacts]:
     wrapper = TrainingModule(model, spec.loss_fn)

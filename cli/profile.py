@@ -65,6 +65,7 @@ def _summary(m: Measurement, console: Console) -> None:
     t.add_row("all-gather bus bw", f"{c.all_gather_gbps:.2f} GB/s")
     t.add_row("send/recv", f"{c.send_recv_gbps:.2f} GB/s")
     t.add_row("collective latency", f"{c.latency_us:.0f} us")
+    t.add_row("collective hidden under compute", f"{100 * c.overlap:.0f}%")
     console.print(t)
 
 

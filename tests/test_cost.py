@@ -146,6 +146,25 @@ def test_dp_comm_grows_with_params_and_shrinks_with_overlap(small, hw):
     assert evaluate(small, replace(layout, dp=1, num_microbatches=128), *hw).breakdown["dp_comm_s"] == 0.0
 
 
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_a_cluster_that_cannot_overlap_exposes_what_the_runtime_would_hide(small, hw, zero):
+    """A cluster whose collectives take their time from the compute (collective_overlap_efficiency 0, what
+    mlm-profile measures with gloo on a small CPU) prices mlm-run's program as a runtime that overlaps nothing:
+    the same step as CostOptions without overlap on a cluster that can; halfway lies between (inclusive: half the
+    compute may still hide all of it)."""
+    gpu, cluster = hw
+    layout = Layout(tp=2, pp=1, dp=16, micro_batch=2, num_microbatches=4, recompute="full", zero=zero)
+    no_overlap = CostOptions(dp_overlap=0.0, tp_overlap=0.0, cp_overlap=0.0)
+    shared = replace(cluster, collective_overlap_efficiency=0.0)
+    half = replace(cluster, collective_overlap_efficiency=0.5)
+    hidden = evaluate(small, layout, gpu, cluster).step_time_s
+    exposed = evaluate(small, layout, gpu, cluster, options=no_overlap).step_time_s
+    assert evaluate(small, layout, gpu, shared).step_time_s == pytest.approx(exposed, rel=1e-12)
+    assert hidden <= evaluate(small, layout, gpu, half).step_time_s <= exposed and hidden < exposed
+    coeffs = stage_coefficients(small, layout, gpu, shared)
+    assert coeffs == stage_coefficients(small, layout, gpu, cluster, options=no_overlap)
+
+
 # ---- recompute and breakdown -------------------------------------------------------------------------------------
 
 

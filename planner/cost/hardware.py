@@ -221,6 +221,11 @@ class ClusterProfile:
     # profile's per-call latency then stands for the whole collective)
     intra_node_step_latency_us: float = 0.0
     inter_node_step_latency_us: float = 0.0
+    # fraction of a collective's time that can run hidden under concurrent compute on this machine (1: the
+    # collective runs on resources of its own, as NCCL's stream beside the compute; 0: the two share them, as gloo's
+    # threads and the compute share a few CPU cores). It scales every overlap CostOptions allows. mlm-profile
+    # measures it: an async all-reduce beside a GEMM loop of the same length.
+    collective_overlap_efficiency: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """The TOML document as plain JSON-ready values."""
@@ -234,7 +239,12 @@ class ClusterProfile:
 
 # ---- strict validation -------------------------------------------------------------------------------------------
 
-_NONNEGATIVE = {"usd_per_gpu_hour", "intra_node_step_latency_us", "inter_node_step_latency_us"}
+_NONNEGATIVE = {
+    "usd_per_gpu_hour",
+    "intra_node_step_latency_us",
+    "inter_node_step_latency_us",
+    "collective_overlap_efficiency",
+}
 
 
 def _check_value(source: str, key: str, hint: Any, value: Any) -> Any:

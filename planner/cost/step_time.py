@@ -170,6 +170,17 @@ class CostOptions:
     fused_loss_backward: bool = False
 
 
+def on_cluster(options: CostOptions, cluster: ClusterProfile | None) -> CostOptions:
+    """`options` with every overlap it allows scaled by how much a collective can hide under compute on the
+    cluster (ClusterProfile.collective_overlap_efficiency: 1 on GPUs, measured by mlm-profile on a CPU)."""
+    e = cluster.collective_overlap_efficiency if cluster is not None else 1.0
+    if e >= 1.0:
+        return options
+    return replace(
+        options, dp_overlap=options.dp_overlap * e, tp_overlap=options.tp_overlap * e, cp_overlap=options.cp_overlap * e
+    )
+
+
 MLM_RUN = CostOptions()
 MEGATRON_2021 = CostOptions(
     dp_overlap=0.0,
@@ -566,6 +577,7 @@ def evaluate(
     options: CostOptions = CostOptions(),
 ) -> Evaluation:
     """Predict step time, its breakdown and per-GPU memory of `layout` (balanced blocks unless `assignment`)."""
+    options = on_cluster(options, cluster)
     pp, vpp, tp, m = layout.pp, layout.vpp, layout.tp, layout.num_microbatches
     num_stages = pp * vpp
     assignment = assignment or StageAssignment(balanced_blocks(inputs.num_blocks, num_stages))
@@ -925,6 +937,7 @@ def stage_coefficients(
     options: CostOptions = CostOptions(),
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
+    options = on_cluster(options, cluster)
     inputs = for_tp(inputs, layout.tp, layout.sequence_parallel)
     tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)

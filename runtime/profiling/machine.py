@@ -83,6 +83,8 @@ class Collectives:
     all_reduce_gbps: float  # bus bandwidth: size/time * 2(p-1)/p
     all_gather_gbps: float  # bus bandwidth: output size/time * (p-1)/p
     latency_us: float  # time of a one-element all_reduce
+    # of an async all_reduce, the fraction hidden under a GEMM loop of about its length run meanwhile (each rank)
+    overlap: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
         t_ar = _timed(lambda: dist.all_reduce(x), device, iters)
         t_ag = _timed(lambda: gather(gathered, shard), device, iters)
         t_lat = _timed(lambda: dist.all_reduce(tiny), device, 4 * iters)
+        overlap = _overlap(x, t_ar, device, iters)
         if rank == 0:
             size = 4.0 * n
             queue.put(
@@ -241,10 +244,35 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
                     "all_reduce_gbps": size / t_ar * 2 * (world - 1) / world / 1e9,
                     "all_gather_gbps": size / t_ag * (world - 1) / world / 1e9,
                     "latency_us": t_lat * 1e6,
+                    "overlap": overlap,
                 }
             )
     finally:
         dist.destroy_process_group()
+
+
+def _overlap(x: torch.Tensor, t_all_reduce: float, device: torch.device, iters: int) -> float:
+    """How much of an all_reduce of `x` (t_all_reduce seconds alone) hides under compute: the all_reduce launched
+    async beside a loop of GEMMs about as long, (t_alone + t_gemms − t_both) / min(t_alone, t_gemms), in [0, 1].
+    1: the collective runs on resources of its own (NCCL's stream); 0: it takes its time from the compute (gloo's
+    threads on the cores the compute uses)."""
+    a = torch.ones(256, 256, device=device)
+    t_mm = _timed(lambda: a @ a, device, 4 * iters)
+    k = max(1, round(t_all_reduce / max(t_mm, 1e-9)))
+
+    def gemms() -> None:
+        for _ in range(k):
+            a @ a
+
+    def both() -> None:
+        work = dist.all_reduce(x, async_op=True)
+        gemms()
+        assert work is not None
+        work.wait()
+
+    t_c = _timed(gemms, device, iters)
+    t_both = _timed(both, device, iters)
+    return min(1.0, max(0.0, (t_all_reduce + t_c - t_both) / min(t_all_reduce, t_c)))
 
 
 @contextlib.contextmanager
@@ -288,7 +316,9 @@ def measure_collectives(device: str, world: int, nbytes: int, iters: int) -> Col
             f"(rank, exit code: {failed}); see the workers' messages above, or try a smaller --world-size"
         )
     r = queue.get()
-    return Collectives(backend, world, r["send_recv_gbps"], r["all_reduce_gbps"], r["all_gather_gbps"], r["latency_us"])
+    return Collectives(
+        backend, world, r["send_recv_gbps"], r["all_reduce_gbps"], r["all_gather_gbps"], r["latency_us"], r["overlap"]
+    )
 
 
 def measure_host_link(nbytes: int, min_time_s: float) -> Collectives:
@@ -456,6 +486,7 @@ def build_profiles(m: Measurement, name: str, cluster_ref: str, gpu_ref: str) ->
         inter_node_latency_us=latency,
         inter_node_collective_efficiency=link_eff,
         memory_reserve_gib=max(_sig(m.reserve_gib), 1e-3),
+        collective_overlap_efficiency=_sig(c.overlap),
     )
     source = f"measured profile '{name}'"  # the loader's strict checks, so a bad figure fails here, not in mlm-plan
     return GPUProfile.from_dict(gpu.to_dict(), source), ClusterProfile.from_dict(cluster.to_dict(), source)
@@ -504,5 +535,6 @@ def render(m: Measurement, gpu: GPUProfile, cluster: ClusterProfile) -> tuple[st
             f"{c.all_gather_gbps:.2f} GB/s bus bandwidth) / intra_node_gbps"
         ),
         "memory_reserve_gib": "memory in use before mlm's work (other processes, runtime/CUDA context) per rank",
+        "collective_overlap_efficiency": "share of an async all_reduce hidden under a GEMM loop as long, run meanwhile",
     }
     return (to_toml(gpu, gpu_comments, gpu_header), to_toml(cluster, cluster_comments, cluster_header))

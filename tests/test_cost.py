@@ -165,6 +165,22 @@ def test_a_cluster_that_cannot_overlap_exposes_what_the_runtime_would_hide(small
     assert coeffs == stage_coefficients(small, layout, gpu, cluster, options=no_overlap)
 
 
+def test_a_loss_on_bf16_logits_halves_what_the_loss_keeps(small, hw):
+    """CostOptions.loss_bytes 2 (a loss on the bf16 logits) against mlm-run's fp32 upcast: the last stage's peak
+    drops by half of the loss's fp32 bytes (the saved log-probabilities of every in-flight micro-batch and the
+    backward's two temporaries of one), nothing else changes."""
+    from mlm.planner.cost.memory import LOSS_BACKWARD_TEMPS
+
+    layout = Layout(tp=1, pp=2, dp=1, micro_batch=2, num_microbatches=8, recompute="full")
+    fp32 = evaluate(small, layout, *hw)
+    bf16 = evaluate(small, layout, *hw, options=CostOptions(loss_bytes=2.0))
+    logits = layout.micro_batch * small.post.loss_logits_bytes  # fp32 logits of one micro-batch
+    last_fp32, last_bf16 = fp32.stages[-1], bf16.stages[-1]
+    saved = last_fp32.memory.activations - last_bf16.memory.activations
+    assert saved == pytest.approx(logits / 2 * (1 + LOSS_BACKWARD_TEMPS), rel=1e-9)
+    assert fp32.stages[0].memory == bf16.stages[0].memory and fp32.step_time_s == bf16.step_time_s
+
+
 # ---- recompute and breakdown -------------------------------------------------------------------------------------
 
 

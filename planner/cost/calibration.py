@@ -194,6 +194,8 @@ RUNTIMES = {
     "nemo": replace(MEGATRON_CORE, grad_reduce_bytes=2.0, grad_buffer_bytes=2.0),
     "torch": CostOptions(),  # mlm-run: torch DDP buckets / FSDP2 prefetch
     "torch-te": CostOptions(cp_overlap=1.0),  # FSDP2 with TransformerEngine's ring attention for CP
+    # the same with the loss on the bf16 logits (NeMo AutoModel's MaskedCrossEntropy, fp32_upcast: false)
+    "torch-te-bf16-loss": CostOptions(cp_overlap=1.0, loss_bytes=2.0),
     # MosaicML Composer FSDP (FULL_SHARD, prefetch), gradients reduce-scattered on every micro-batch;
     # mixed precision PURE reduces bf16 gradients, DEFAULT fp32
     "composer-fsdp-pure": CostOptions(zero3_reduce_every_microbatch=True),

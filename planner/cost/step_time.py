@@ -80,7 +80,15 @@ from mlm.planner.cost.collectives import (
     ring_link,
 )
 from mlm.planner.cost.hardware import ClusterProfile, GPUProfile, gemm_size
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, summarize, vocab_shards
+from mlm.planner.cost.inputs import (
+    FP32_BYTES,
+    LayerCost,
+    ModelCostInputs,
+    cp_share,
+    for_tp,
+    summarize,
+    vocab_shards,
+)
 from mlm.planner.cost.memory import (
     GRAD_BYTES,
     MemoryBreakdown,
@@ -153,6 +161,9 @@ class CostOptions:
     pipeline_buffers_every_microbatch: the pipeline keeps a receive buffer per micro-batch and direction for the
         whole step (torch's PipelineStage, mlm-run); False: only the in-flight ones, which the activations already
         count (Megatron-LM allocates each receive as it runs).
+    loss_bytes: bytes per element of the logits the loss computes on, hence of the log-probabilities it saves and
+        of its backward's temporaries: mlm-run upcasts to fp32 (4); 2 for a loss on the bf16 logits (NeMo
+        AutoModel's MaskedCrossEntropy with fp32_upcast off, as its benchmark recipes set it).
     cp_overlap: fraction of the layer's attention compute that hides context parallelism's K/V exchange (0 in
         mlm-run, which all-gathers K/V before the attention; Megatron-Core's ring attention, cp_comm_type p2p,
         sends the next chunk's K/V while the current one's attention runs, so up to all of it).
@@ -168,6 +179,17 @@ class CostOptions:
     cp_overlap: float = 0.0
     grad_buffer_bytes: float = GRAD_BYTES
     fused_loss_backward: bool = False
+    loss_bytes: float = 4.0
+
+
+def with_loss_bytes(inputs: ModelCostInputs, loss_bytes: float) -> ModelCostInputs:
+    """`inputs` with the loss computed on logits of `loss_bytes` per element instead of fp32 (CostOptions.loss_bytes):
+    its saved log-probabilities and its backward's temporaries scale with it."""
+    if loss_bytes == FP32_BYTES or not inputs.post.loss_logits_bytes:
+        return inputs
+    post, r = inputs.post, loss_bytes / FP32_BYTES
+    saved = max(0.0, post.act_sharded - (1.0 - r) * post.loss_logits_bytes)
+    return replace(inputs, post=replace(post, act_sharded=saved, loss_logits_bytes=r * post.loss_logits_bytes))
 
 
 def on_cluster(options: CostOptions, cluster: ClusterProfile | None) -> CostOptions:
@@ -584,7 +606,7 @@ def evaluate(
     _check(inputs, layout, assignment)
     counts = assignment.blocks_per_stage
     rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
-    inputs = for_tp(inputs, layout.tp, layout.sequence_parallel)
+    inputs = with_loss_bytes(for_tp(inputs, layout.tp, layout.sequence_parallel), options.loss_bytes)
     whole = inputs
     inputs = cp_share(inputs, layout.cp)
     tp_link = group_link(cluster, tp, 1)
@@ -938,7 +960,7 @@ def stage_coefficients(
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
     options = on_cluster(options, cluster)
-    inputs = for_tp(inputs, layout.tp, layout.sequence_parallel)
+    inputs = with_loss_bytes(for_tp(inputs, layout.tp, layout.sequence_parallel), options.loss_bytes)
     tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)
     seq = max(1, inputs.seq_len // layout.cp)

@@ -33,6 +33,17 @@ def _plan(tmp: Path, name: str, *pins: str, shape: tuple[str, ...] = ()) -> Path
     return write_plan(tmp, name, ["gpt2", *shape, *pins])
 
 
+def _dry_run_doc(plan_path: Path) -> dict:
+    """`mlm-run PLAN --dry-run --json`'s document, computed in this process (the roles still run in fresh worker
+    processes); test_json_document_has_every_pipeline_rank checks the command line itself."""
+    from mlm.cli.dry_run_output import report_document
+    from mlm.planner.plan import load_plan
+    from mlm.runtime.dry_run import dry_run, dry_run_options
+
+    plan = load_plan(plan_path)
+    return report_document(plan, dry_run(plan, dry_run_options(plan)))
+
+
 TP2SP = ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0")
 
 
@@ -94,9 +105,8 @@ def test_json_document_has_every_pipeline_rank(plans: dict[str, Path], tmp_path:
 def test_zero3_collective_counts_equal_the_cost_models(plans: dict[str, Path], tmp_path: Path) -> None:
     """FSDP2 all-gathers (forward and backward, per unit and micro-batch) and reduce-scatters (per unit, once per
     step) as plan.json's predicted collectives count them."""
-    proc = _cli("mlm.cli.run", str(plans["zero3"]), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (rank,) = json.loads(proc.stdout)["ranks"]
+    doc = _dry_run_doc(plans["zero3"])
+    (rank,) = doc["ranks"]
     for op in ("all_gather", "reduce_scatter"):
         assert rank["collectives"][op]["count"] == rank["predicted_collectives"][op]["count"], op
 
@@ -239,9 +249,8 @@ def test_dry_run_collectives_equal_the_cost_models(name: str, tmp_path: Path) ->
     5%; and on every stage the measured peak is within 10% of plan.json's."""
     pins = _EXACT[name] if "--recompute" in _EXACT[name] else (*_EXACT[name], "--recompute", "none")
     plan_path = _plan(tmp_path, name, *pins, "--micro-batch", "2", shape=SMALL)
-    proc = _cli("mlm.cli.run", str(plan_path), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in json.loads(proc.stdout)["ranks"]:
+    doc = _dry_run_doc(plan_path)
+    for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert set(measured) == set(predicted), rank["stage"]
         for op, m in measured.items():
@@ -262,9 +271,8 @@ def test_hugging_face_attention_is_one_tensor_parallel_region(tmp_path: Path) ->
     args = ["--entry", "build", "--model-arg", "family=qwen2", "--seq-len", "64", "--global-batch", "4"]
     args += ["--gpus", "4", "--tp", "2", "--pp", "2"]
     out = write_plan(tmp_path, "plan", [str(MODELS / "zoo_families.py"), *args])
-    proc = _cli("mlm.cli.run", str(out), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in json.loads(proc.stdout)["ranks"]:
+    doc = _dry_run_doc(out)
+    for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert {op: m["count"] for op, m in measured.items()} == {op: p["count"] for op, p in predicted.items()}
         assert rank["measured_peak_memory_bytes"] == pytest.approx(rank["predicted_peak_memory_bytes"], rel=0.10)
@@ -283,9 +291,8 @@ def test_a_layout_is_priced_with_the_sharding_it_runs(tmp_path: Path) -> None:
     plan = json.loads(plan_path.read_text())
     mlp = {name: style for name, style in plan["tensor_parallel"].items() if ".mlp." in name}
     assert mlp and set(mlp.values()) == {"replicate"}, plan["tensor_parallel"]
-    proc = _cli("mlm.cli.run", str(plan_path), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in json.loads(proc.stdout)["ranks"]:
+    doc = _dry_run_doc(plan_path)
+    for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert {op: m["count"] for op, m in measured.items()} == {op: p["count"] for op, p in predicted.items()}
         for op, m in measured.items():
@@ -316,9 +323,8 @@ def test_a_large_vocabulary_is_priced_as_it_runs(pins: tuple[str, ...], tmp_path
     table's gradient on every tp rank, sliced afterwards) and its peak is within 10% (what remains: the shard's
     gradient in bf16 beside its fp32 cast, 2 MiB, unpriced)."""
     plan_path = _plan(tmp_path, "wide", *pins, shape=tuple(WIDE_VOCAB))
-    proc = _cli("mlm.cli.run", str(plan_path), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    ranks = json.loads(proc.stdout)["ranks"]
+    doc = _dry_run_doc(plan_path)
+    ranks = doc["ranks"]
     for rank in ranks:
         peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
         print(pins, rank["stage"], f"peak {peak / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
@@ -342,9 +348,8 @@ def test_context_parallel_gathers_key_heads_as_the_kernel_receives_them(family: 
     args += ["--micro-batch", "1", "--gpus", "2", "--cp", "2", "--dp", "1", "--tp", "1", "--pp", "1"]
     args += ["--recompute", "none", "--zero", "0"]
     out = write_plan(tmp_path, "plan", [str(MODELS / "zoo_families.py"), *args])
-    proc = _cli("mlm.cli.run", str(out), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (rank,) = json.loads(proc.stdout)["ranks"]
+    doc = _dry_run_doc(out)
+    (rank,) = doc["ranks"]
     measured, predicted = rank["collectives"], rank["predicted_collectives"]
     for op in ("all_gather", "reduce_scatter"):  # the K/V exchange, forward and backward
         assert measured[op]["count"] == predicted[op]["count"] > 0, op
@@ -385,9 +390,8 @@ def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(name: str, tmp_path
     acts_bf16 = [s["memory_by_category"]["activations"] for s in bf16["stages"]]
     for a, b in zip(acts, acts_bf16):
         assert b < a <= 2.0 * b  # floating tensors double; token ids, masks and fp32 loss terms do not
-    proc = _cli("mlm.cli.run", str(path), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in json.loads(proc.stdout)["ranks"]:
+    doc = _dry_run_doc(path)
+    for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert set(measured) == set(predicted), rank["stage"]
         for op, m in measured.items():
@@ -419,9 +423,8 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
         pins = (*pins, "--recompute", "none")
     shape = ("--entry", "build_qwen3_moe", "--seq-len", "32", "--global-batch", "16")
     path = write_plan(tmp_path, name, [model, *shape, *pins])
-    proc = _cli("mlm.cli.run", str(path), "--dry-run", "--json", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    for rank in json.loads(proc.stdout)["ranks"]:
+    doc = _dry_run_doc(path)
+    for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert "all_to_all" in measured and set(measured) == set(predicted), rank["stage"]
         for op, m in measured.items():

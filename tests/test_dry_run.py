@@ -44,6 +44,20 @@ def _dry_run_doc(plan_path: Path) -> dict:
     return report_document(plan, dry_run(plan, dry_run_options(plan)))
 
 
+def _assert_matches_plan(doc: dict, label: str, bytes_rel: float = 0.05, peak_rel: float = 0.10) -> None:
+    """On every pipeline rank of a dry-run document: the ops measured are the ops priced, each with the priced
+    count and bytes within `bytes_rel`, and the peak within `peak_rel` of plan.json's (printed, for -s)."""
+    for rank in doc["ranks"]:
+        measured, predicted = rank["collectives"], rank["predicted_collectives"]
+        assert set(measured) == set(predicted), rank["stage"]
+        for op, m in measured.items():
+            assert m["count"] == predicted[op]["count"], (rank["stage"], op)
+            assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=bytes_rel), (rank["stage"], op)
+        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
+        print(label, rank["stage"], f"peak {peak / 2**20:.3f} MiB, predicted {want / 2**20:.3f} MiB")
+        assert peak == pytest.approx(want, rel=peak_rel)
+
+
 TP2SP = ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0")
 
 
@@ -249,16 +263,7 @@ def test_dry_run_collectives_equal_the_cost_models(name: str, tmp_path: Path) ->
     5%; and on every stage the measured peak is within 10% of plan.json's."""
     pins = _EXACT[name] if "--recompute" in _EXACT[name] else (*_EXACT[name], "--recompute", "none")
     plan_path = _plan(tmp_path, name, *pins, "--micro-batch", "2", shape=SMALL)
-    doc = _dry_run_doc(plan_path)
-    for rank in doc["ranks"]:
-        measured, predicted = rank["collectives"], rank["predicted_collectives"]
-        assert set(measured) == set(predicted), rank["stage"]
-        for op, m in measured.items():
-            assert m["count"] == predicted[op]["count"], (rank["stage"], op)
-            assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), (rank["stage"], op)
-        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
-        print(name, rank["stage"], f"peak {peak / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
-        assert peak == pytest.approx(want, rel=0.10)
+    _assert_matches_plan(_dry_run_doc(plan_path), name)
 
 
 def test_hugging_face_attention_is_one_tensor_parallel_region(tmp_path: Path) -> None:
@@ -390,16 +395,7 @@ def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(name: str, tmp_path
     acts_bf16 = [s["memory_by_category"]["activations"] for s in bf16["stages"]]
     for a, b in zip(acts, acts_bf16):
         assert b < a <= 2.0 * b  # floating tensors double; token ids, masks and fp32 loss terms do not
-    doc = _dry_run_doc(path)
-    for rank in doc["ranks"]:
-        measured, predicted = rank["collectives"], rank["predicted_collectives"]
-        assert set(measured) == set(predicted), rank["stage"]
-        for op, m in measured.items():
-            assert m["count"] == predicted[op]["count"], (rank["stage"], op)
-            assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.05), (rank["stage"], op)
-        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
-        print(name, rank["stage"], f"fp32 peak {peak / 2**20:.2f} MiB, predicted {want / 2**20:.2f} MiB")
-        assert peak == pytest.approx(want, rel=0.10)
+    _assert_matches_plan(_dry_run_doc(path), f"{name} fp32")
 
 
 _EP = {
@@ -424,15 +420,8 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
     shape = ("--entry", "build_qwen3_moe", "--seq-len", "32", "--global-batch", "16")
     path = write_plan(tmp_path, name, [model, *shape, *pins])
     doc = _dry_run_doc(path)
-    for rank in doc["ranks"]:
-        measured, predicted = rank["collectives"], rank["predicted_collectives"]
-        assert "all_to_all" in measured and set(measured) == set(predicted), rank["stage"]
-        for op, m in measured.items():
-            assert m["count"] == predicted[op]["count"], (rank["stage"], op)
-            assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=0.01), (rank["stage"], op)
-        peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
-        print(name, rank["stage"], f"peak {peak / 2**20:.3f} MiB, predicted {want / 2**20:.3f} MiB")
-        assert peak == pytest.approx(want, rel=0.10)
+    assert all("all_to_all" in rank["collectives"] for rank in doc["ranks"])
+    _assert_matches_plan(doc, name, bytes_rel=0.01)
 
 
 def test_dry_run_of_experts_in_a_module_list_says_why_it_cannot(tmp_path: Path) -> None:

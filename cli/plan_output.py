@@ -92,6 +92,11 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
         f"[bold]{summary['model']}[/] ({si(plan.model.num_params)} params) on {plan.cluster.num_gpus} × "
         f"{plan.cluster.gpu} ({summary['cluster']}), global batch {plan.training.global_batch} × "
         f"{plan.training.seq_len} tokens"
+        + (
+            f", computed in {plan.training.dtype} (the profile's compute_dtype)"
+            if plan.training.dtype != "bf16"
+            else ""
+        )
     )
     console.print(
         f"[bold green]layout[/]  mesh pp {lay.pp} × dp {lay.dp}{f' × cp {lay.cp}' if lay.cp > 1 else ''} × tp {lay.tp}"

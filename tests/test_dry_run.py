@@ -382,12 +382,15 @@ _FP32 = {
 
 
 @pytest.mark.parametrize("name", sorted(_FP32))
-def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(name: str, tmp_path: Path) -> None:
+def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A profile whose device computes in fp32 (a CPU's, where mlm-run computes fp32) gives a plan priced in fp32:
     training.dtype fp32, activations captured in fp32 (twice the bf16 plan's, the same layout otherwise), and the
     dry run, run in fp32, measures the collectives the plan counts and its peak within 10%."""
     pins = (*_FP32[name], "--recompute", "none", "--micro-batch", "2")
     path = _plan(tmp_path, name, *pins, "--gpu", str(_fp32_profile(tmp_path)), shape=SMALL)
+    assert "computed in fp32" in capsys.readouterr().out  # mlm-plan says so
     bf16 = json.loads(_plan(tmp_path, f"{name}-bf16", *pins, shape=SMALL).read_text())
     plan = json.loads(path.read_text())
     assert plan["training"]["dtype"] == "fp32" and bf16["training"]["dtype"] == "bf16"

@@ -164,7 +164,7 @@ def _dry_run(args: argparse.Namespace, console: Console) -> int:
     plan = load_plan(args.plan)
     # the program the plan priced: its compute dtype (bf16 emulates a GPU), replicate() where DDP would run
     base = dry_run_options(plan)
-    opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=base.compute_dtype, allow_ddp=False)
+    opts = dataclasses.replace(_options(args, "cpu", None), compute_dtype=base.compute_dtype, allow_ddp=base.allow_ddp)
     if args.pp_ranks is not None and max(args.pp_ranks) >= plan.layout.pp:
         raise PlanError(f"--pp-ranks {max(args.pp_ranks)}: the plan has pipeline ranks 0..{plan.layout.pp - 1}")
     return dry_run_command(plan, opts, args.json, console, Console(), args.pp_ranks)

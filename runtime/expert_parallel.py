@@ -165,8 +165,10 @@ def exchange(
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs by expert, hence by owner rank
     token = order // k
-    if is_fake(flat):  # the dry run: routing has no values; each expert gets its balanced share (balanced_counts)
-        counts = torch.tensor(balanced_counts(flat.numel(), num_experts), device=flat.device).view(size, local)
+    # the dry run: routing has no values; each expert gets its balanced share (balanced_counts)
+    balanced = balanced_counts(flat.numel(), num_experts) if is_fake(flat) else None
+    if balanced is not None:
+        counts = torch.tensor(balanced, device=flat.device).view(size, local)
     else:
         counts = torch.bincount(flat, minlength=num_experts).view(size, local)
 
@@ -184,7 +186,7 @@ def exchange(
             if isinstance(had, int):
                 module.num_experts = had
 
-    back = _rows_to_owners_and_back(hidden[token], counts, ep, run_bank)
+    back = _rows_to_owners_and_back(hidden[token], counts, ep, run_bank, balanced)
     weights = top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
     return torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token, back * weights).to(hidden.dtype)
 
@@ -220,6 +222,7 @@ def _rows_to_owners_and_back(
     counts: torch.Tensor,
     ep: ExpertParallel,
     compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    balanced: list[int] | None = None,
 ) -> torch.Tensor:
     """The exchange both kinds of experts use. `send`: rows ordered by owner rank, then by the owner's local expert;
     `counts` (ep, L): how many rows go to each. One all-to-all of the counts, the dispatch all_to_all_single
@@ -230,14 +233,14 @@ def _rows_to_owners_and_back(
 
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=ep.group)
-    if is_fake(counts):
-        # the dry run: every rank routes its tokens alike (balanced_counts), so it receives from each peer what it
-        # sends that peer for its own experts; the all-to-all of the counts above still runs (it is counted)
-        table = balanced_counts(int(send.shape[0]), counts.numel())
+    if balanced is not None:
+        # the dry run: every rank routes its tokens alike (`balanced`, the per-expert counts as a list, since fake
+        # tensors hold no values), so it receives from each peer what it sends that peer for its own experts; the
+        # all-to-all of the counts above still runs (it is counted)
         local = counts.shape[1]
-        mine = table[ep.rank * local : (ep.rank + 1) * local]
+        mine = balanced[ep.rank * local : (ep.rank + 1) * local]
         received = torch.tensor([mine] * ep.size, device=counts.device)
-        send_splits = [sum(table[r * local : (r + 1) * local]) for r in range(ep.size)]
+        send_splits = [sum(balanced[r * local : (r + 1) * local]) for r in range(ep.size)]
         recv_splits = [sum(mine)] * ep.size
     else:
         send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()

@@ -164,12 +164,14 @@ def _run(args: argparse.Namespace) -> int:
 def print_inspect(summary: dict[str, Any], name: str, console: Console, cached: bool = False) -> None:
     from rich.table import Table
 
-    table = Table(title=f"{name}: captured layers (per sample of {summary['seq_len']} tokens)")
+    unit = summary["unit"]
+    per = f"per sample of {summary['seq_len']} tokens" if unit == "token" else "per sample"
+    table = Table(title=f"{name}: captured layers ({per})")
     for col, justify in (
         ("layer", "left"),
         ("kind", "left"),
         ("params", "right"),
-        ("FLOPs/token", "right"),
+        (f"FLOPs/{unit}", "right"),
         ("activations", "right"),
     ):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -205,7 +207,7 @@ def print_inspect(summary: dict[str, Any], name: str, console: Console, cached: 
             f"MoE: {moe['layers']} layers of {moe['num_experts']} routed experts, top-{moe['top_k']}; active "
             f"parameters per token {active:,} ({si(active)}, {active / summary['num_params']:.1%} of all)"
         )
-    console.print(f"training FLOPs per token (6N-style, no recompute): {si(t['training_flops_per_token'], 'FLOP')}")
+    console.print(f"training FLOPs per {unit} (6N-style, no recompute): {si(t['training_flops_per_token'], 'FLOP')}")
     console.print(
         f"captured with {summary['capture_method']} in {summary['capture_seconds']:.2f} s"
         + (" (read from the capture cache; --no-cache captures afresh)" if cached else "")

@@ -13,7 +13,7 @@ from mlm.cli.common import stderr_console
 from mlm.cli.format import gib, seconds, si
 from mlm.planner.capture.graph import ModelIR
 from mlm.planner.errors import PlanError
-from mlm.planner.plan import Plan, save_plan
+from mlm.planner.plan import Plan, Training, save_plan
 from mlm.planner.search.layouts import PlanRequest
 from mlm.planner.search.make_plan import make_plan
 
@@ -84,14 +84,28 @@ def plan_command(args: argparse.Namespace, spec: ModelSpec, ir: ModelIR) -> int:
     return 0
 
 
+def _batch_unit(training: Training) -> str:
+    """' × 2048 tokens' for token sequences; ' samples (of 17 tokens)' for inputs that are not (images)."""
+    if training.token_inputs:
+        return f" × {training.seq_len} tokens"
+    return " samples" + (f" of {training.seq_len} tokens" if training.seq_len > 1 else "")
+
+
+def _throughput(training: Training, tokens_per_s: float) -> str:
+    if training.token_inputs:
+        return f"{si(tokens_per_s)} tokens/s"
+    samples = f"{si(tokens_per_s / training.seq_len)} samples/s"
+    return samples + (f" ({si(tokens_per_s)} tokens/s)" if training.seq_len > 1 else "")
+
+
 def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
     lay, pred = plan.layout, plan.predicted
     assert pred is not None
     sched = {"none": "no pipeline", "1f1b": "1F1B", "interleaved-1f1b": f"interleaved 1F1B (vpp {lay.vpp})"}
     console.print(
         f"[bold]{summary['model']}[/] ({si(plan.model.num_params)} params) on {plan.cluster.num_gpus} × "
-        f"{plan.cluster.gpu} ({summary['cluster']}), global batch {plan.training.global_batch} × "
-        f"{plan.training.seq_len} tokens"
+        f"{plan.cluster.gpu} ({summary['cluster']}), global batch {plan.training.global_batch}"
+        f"{_batch_unit(plan.training)}"
         + (
             f", computed in {plan.training.dtype} (the profile's compute_dtype)"
             if plan.training.dtype != "bf16"
@@ -105,7 +119,8 @@ def print_plan(plan: Plan, summary: dict[str, Any], console: Console) -> None:
         f"{lay.num_microbatches} · {sched[lay.schedule]} · recompute {lay.recompute} · zero {lay.zero}"
     )
     console.print(
-        f"[bold green]predicted[/]  step {seconds(pred.step_time_s)} · {si(pred.tokens_per_s)} tokens/s · "
+        f"[bold green]predicted[/]  step {seconds(pred.step_time_s)} · "
+        f"{_throughput(plan.training, pred.tokens_per_s)} · "
         f"{pred.model_tflops_per_gpu:.{0 if pred.model_tflops_per_gpu >= 10 else 3}f} TFLOP/s per GPU · "
         f"MFU {100 * pred.mfu:.1f}% · peak memory "
         f"{gib(pred.peak_memory_bytes)} of {gib(summary['capacity_bytes'])}"

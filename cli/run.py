@@ -200,7 +200,7 @@ def _device(args: argparse.Namespace) -> str:
 def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
     """Check everything that can be checked before starting processes, then launch (or explain how)."""
     from mlm.planner.plan import load_plan
-    from mlm.runtime.data import TokenSource
+    from mlm.runtime.data import data_source
     from mlm.runtime.launch import check_host
     from mlm.runtime.model_build import load_checked_spec
     from mlm.runtime.train import check_plan_runnable
@@ -212,10 +212,8 @@ def _parent(args: argparse.Namespace, raw: list[str], console: Console) -> int:
     device = _device(args)
     if not args.simulate_locally:
         check_host(plan, device, raw)  # before anything slow: a plan this machine cannot host exits 2 at once
-    load_checked_spec(plan)
-    TokenSource(
-        plan.model.vocab_size, plan.training.seq_len, plan.training.global_batch, args.seed, args.data, args.data_dtype
-    ).check()
+    spec = load_checked_spec(plan)
+    data_source(plan, spec, args.seed, args.data, args.data_dtype).check()
     if args.resume is not None:
         from mlm.runtime.checkpoint import read_meta
 

@@ -43,9 +43,10 @@ class ClusterRef:
 
 @dataclass(frozen=True)
 class Training:
-    global_batch: int
-    seq_len: int
+    global_batch: int  # samples (sequences) per step
+    seq_len: int  # tokens per sample; for inputs that are not token sequences, the tokens its attention sees, or 1
     dtype: str = "bf16"
+    token_inputs: bool = True  # False: the model's inputs (images, latents) are not shaped by seq_len
 
 
 @dataclass(frozen=True)

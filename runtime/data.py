@@ -9,13 +9,19 @@ random offsets. Dropout masks are layout-independent the same way (DropoutSeeds,
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.capture.training_step import Batch, example_batch
 from mlm.planner.errors import PlanError
+from mlm.planner.plan import Plan
 
 DATA_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -79,6 +85,64 @@ class TokenSource:
         rows = self.global_batch // dp
         mine = tokens[dp_rank * rows : (dp_rank + 1) * rows].to(device)
         return mine[:, :-1].contiguous(), mine[:, 1:].contiguous()  # user code may .view() them (nanoGPT)
+
+
+@dataclass(frozen=True)
+class ExampleSource:
+    """Batches from the model file's example_inputs(batch_size, seq_len), for models that are not fed one tensor of
+    token ids (images, latents, encoder-decoder inputs): the whole global batch is drawn with torch's generator
+    seeded from (seed, step), as TokenSource draws its ids, and each data-parallel rank keeps its rows of every
+    tensor (dimension 0), so every layout sees the rows one device sees."""
+
+    example_inputs: Callable[[int, int], Any]
+    seq_len: int
+    global_batch: int
+    seed: int
+
+    def check(self) -> None:
+        """Fail early, with one line, when the example batch cannot be split by rows."""
+        with torch.device("meta"):
+            leaves = tree_leaves(example_batch(self.example_inputs, self.global_batch, self.seq_len))
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != self.global_batch):
+                raise DataError(
+                    f"example_inputs({self.global_batch}, {self.seq_len}) returned a tensor of shape "
+                    f"{tuple(t.shape)}: mlm-run splits the batch over micro-batches and data-parallel ranks by the "
+                    f"first dimension, which must be the batch size"
+                )
+
+    def global_batch_at(self, step: int) -> Batch:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(self.seed * 1_000_003 + step)
+            return example_batch(self.example_inputs, self.global_batch, self.seq_len)
+
+    def batch(self, step: int, dp_rank: int, dp: int, device: torch.device) -> Batch:
+        """This data-parallel rank's (inputs, targets): global_batch / dp rows of every tensor."""
+        rows = self.global_batch // dp
+        return tree_map(  # clone: a view would keep the whole global batch alive (images are not small)
+            lambda t: t[dp_rank * rows : (dp_rank + 1) * rows].clone().to(device) if isinstance(t, torch.Tensor) else t,
+            self.global_batch_at(step),
+        )
+
+
+def data_source(plan: Plan, spec: ModelSpec, seed: int, path: Path | None, dtype: str) -> TokenSource | ExampleSource:
+    """Where the run's batches come from: the --data file or random token ids for a model fed token ids, the
+    model file's example_inputs when it defines one (then --data does not apply)."""
+    if spec.example_inputs is None:
+        return TokenSource(plan.model.vocab_size, plan.training.seq_len, plan.training.global_batch, seed, path, dtype)
+    if path is not None:
+        raise DataError(
+            f"--data holds token ids, but {spec.path.name} defines example_inputs, which give this model its "
+            f"batches (drop --data, or feed the data from example_inputs)"
+        )
+    return ExampleSource(spec.example_inputs, plan.training.seq_len, plan.training.global_batch, seed)
+
+
+def split_rows(batch: Any, n: int) -> list[Any]:
+    """`batch` (a tensor or a tuple / dict of them) cut into n micro-batches along dimension 0."""
+    leaves, spec = tree_flatten(batch)
+    chunks = [t.chunk(n) if isinstance(t, torch.Tensor) else [t] * n for t in leaves]
+    return [tree_unflatten([c[i] for c in chunks], spec) for i in range(n)]
 
 
 class DropoutSeeds:

@@ -551,7 +551,7 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
 
     from mlm.planner.capture.loader import for_training, instantiate
     from mlm.planner.capture.training_step import TrainingModule
-    from mlm.runtime.model_build import model_vocab, token_batch
+    from mlm.runtime.model_build import meta_batch
 
     # the training program on fake tensors, as model_build.record_layer_calls runs it (transformers' mask code
     # branches on values that plain meta tensors do not have)
@@ -570,7 +570,7 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
                 ]
 
         handles.append(model.get_submodule(fqn).register_forward_pre_hook(pre, with_kwargs=True))
-    inputs, targets = token_batch(model_vocab(model, plan), plan.layout.micro_batch, plan.training.seq_len, "meta")
+    inputs, targets = meta_batch(spec, model, plan, plan.layout.micro_batch)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
             TrainingModule(model, spec.loss_fn)(inputs, targets)

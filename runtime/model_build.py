@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate, load_model_spec
-from mlm.planner.capture.training_step import TrainingModule, first_embedding_vocab
+from mlm.planner.capture.training_step import TrainingModule, example_batch, first_embedding_vocab
 from mlm.planner.errors import ModelLoadError, PlanFileError
 from mlm.planner.plan import Plan
 
@@ -91,6 +91,15 @@ def token_batch(
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+def meta_batch(spec: ModelSpec, model: nn.Module, plan: Plan, batch: int) -> tuple[Any, Any]:
+    """A batch of `batch` rows on the meta device, as the run feeds it (runtime/data.py): the file's
+    example_inputs, else token ids."""
+    if spec.example_inputs is not None:
+        with torch.device("meta"):
+            return example_batch(spec.example_inputs, batch, plan.training.seq_len)
+    return token_batch(model_vocab(model, plan), batch, plan.training.seq_len, "meta")
+
+
 def model_vocab(model: nn.Module, plan: Plan) -> int:
     try:
         return first_embedding_vocab(model)
@@ -129,6 +138,14 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     pending: dict[str, tuple[tuple[int, ...], tuple[tuple[int, ...] | None, ...]]] = {}
     order: list[str] = []
     handles = []
+    strays: list[str] = []  # modules with parameters outside every layer that run (a tied lm_head left out)
+    for fqn, module in model.named_modules():
+        if (
+            fqn
+            and module._parameters
+            and not any(fqn == f or fqn.startswith(f + ".") or f.startswith(fqn + ".") for f in layers)
+        ):
+            handles.append(module.register_forward_pre_hook(lambda _m, _a, fqn=fqn: strays.append(fqn)))
     inner: dict[str, Any] = {}
     for name, module in model.named_modules():
         if any(_holds_linear(c) for c in module.children()):
@@ -159,7 +176,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
-    inputs, targets = token_batch(model_vocab(model, plan), micro_batch, plan.training.seq_len, "meta")
+    inputs, targets = meta_batch(spec, model, plan, micro_batch)
     try:
         # Under FakeTensorMode (over the meta parameters): libraries that branch on data skip that branch for fake
         # tensors as they do when tracing (transformers' masking_utils.is_tracing), where on plain meta tensors
@@ -178,6 +195,11 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     finally:
         for h in handles:
             h.remove()
+    if strays:
+        name = next(iter(model.get_submodule(strays[0])._parameters))
+        raise PlanFileError(
+            f"plan.json: parameter '{strays[0]}.{name}' is in no layer of the stages, and {strays[0]} runs"
+        )
     for fqn in calls:
         mine = {k: v for k, v in inner.items() if k.startswith(fqn + ".")}
         calls[fqn] = replace(calls[fqn], inner=mine)
@@ -198,7 +220,8 @@ def _is_activation(x: Any) -> bool:
 
 
 def check_layers_cover_model(model: nn.Module, layers: list[str]) -> None:
-    """Every plan layer exists, no layer contains another, and every parameter lies inside some layer."""
+    """Every plan layer exists, no layer contains another, and every parameter lies inside some layer or is a root
+    parameter (root_parameters: held by every stage)."""
     names = dict(model.named_modules())
     for fqn in layers:
         if fqn not in names:
@@ -209,9 +232,26 @@ def check_layers_cover_model(model: nn.Module, layers: list[str]) -> None:
         for other in layers:
             if other != fqn and other.startswith(fqn + "."):
                 raise PlanFileError(f"plan.json: layer {other!r} lies inside layer {fqn!r}")
-    for pname, _ in model.named_parameters(remove_duplicate=False):
-        if not any(pname.startswith(f + ".") for f in layers):
+    inside = {id(p) for fqn in layers for p in model.get_submodule(fqn).parameters()}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in inside and not _on_the_path_to_layers(pname, layers):
             raise PlanFileError(f"plan.json: parameter {pname!r} is in no layer of the stages")
+
+
+def root_parameters(model: nn.Module, layers: list[str]) -> list[str]:
+    """Parameters that no layer holds, one name per tensor: a ViT's class token and position table on the root
+    module. The root-level code that reads them runs on every pipeline stage, so every stage holds a copy, kept
+    equal as tied copies are (train.py); a tensor that a layer holds under another name (T5's `shared` embedding,
+    called as encoder.embed_tokens) is that layer's."""
+    inside = {id(p) for fqn in layers for p in model.get_submodule(fqn).parameters()}
+    return [n for n, p in model.named_parameters() if id(p) not in inside and _on_the_path_to_layers(n, layers)]
+
+
+def _on_the_path_to_layers(param: str, layers: list[str]) -> bool:
+    """Whether the parameter's module is the root or a container of layers (whose own forward reads it), not a
+    module of its own that the plan's layers leave out."""
+    owner = param.rpartition(".")[0]
+    return owner == "" or any(fqn.startswith(owner + ".") for fqn in layers)
 
 
 def owner_layer(param_fqn: str, layers: list[str]) -> str:
@@ -380,6 +420,17 @@ def _init_functions_recorded(recorder: _InitRecorder) -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+class _ValuesReadAsZero(TorchDispatchMode):
+    """Under the dry run's FakeTensorMode, where values do not matter, a value that initialisation code reads
+    (trunc_normal_'s rejection loop asks whether any sample is still out of range) is 0: a fake tensor has none."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            t = args[0]
+            return False if t.dtype == torch.bool else 0 if not t.is_floating_point() else 0.0
+        return func(*args, **(kwargs or {}))
+
+
 def _recorded_init(recorder: _InitRecorder, fn: Callable[..., Any], tensor: Any, *args: Any, **kwargs: Any) -> Any:
     return recorder.record_init_call(fn, tensor, args, kwargs)
 
@@ -422,7 +473,8 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         if recorder is None:
-            yield
+            with _ValuesReadAsZero() if _fake_mode_active() else contextlib.nullcontext():
+                yield
         else:
             with recorder, _init_functions_recorded(recorder):
                 yield

@@ -109,11 +109,26 @@ def _to_meta(x: Any) -> Any:
 
 
 class Placeholder(nn.Module):
-    """Stands in for a layer that lives on another stage: holds nothing, returns phantoms of the recorded shapes."""
+    """Stands in for a layer that lives on another stage: holds nothing, returns phantoms of the recorded shapes.
 
-    def __init__(self, fqn: str, output: Any, device: torch.device) -> None:
+    Root-level code may read the layer's attributes (HF ViT reads its patch projection's weight dtype, a diffusers
+    U-Net counts an up block's resnets): they are looked up on the layer's meta-device original, which this
+    module does not register (no parameters). Calling one of the original's submodules (a DiT's head calls the
+    first block's timestep embedder) would compute another stage's layer here: that fails with one line."""
+
+    def __init__(self, fqn: str, output: Any, device: torch.device, original: nn.Module | None = None) -> None:
         super().__init__()
         self.fqn, self.output, self.device = fqn, output, device
+        object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay off this stage
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None:
+                raise
+            return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return pytree.tree_map(
@@ -125,12 +140,55 @@ class Placeholder(nn.Module):
         return f"{self.fqn} (on another stage)"
 
 
-class Boundary(nn.Module):
-    """The next stage's first layer: stops this stage's forward and hands over its call arguments."""
+def _elsewhere(value: Any, fqn: str, layer: str) -> Any:
+    """An attribute of another stage's layer as root-level code reads it: plain values as they are, modules behind
+    _Elsewhere (the originals are shared with the stage that runs them, so they cannot be hooked)."""
+    return _Elsewhere(value, fqn, layer) if isinstance(value, nn.Module) else value
 
-    def __init__(self, fqn: str) -> None:
+
+class _Elsewhere:
+    """A submodule of a layer on another stage: its attributes, length, items and iteration read through; calling
+    it fails with one line (the root code would compute part of another stage's layer here)."""
+
+    def __init__(self, module: nn.Module, fqn: str, layer: str) -> None:
+        self._module, self._fqn, self._layer = module, fqn, layer
+
+    def __getattr__(self, name: str) -> Any:
+        return _elsewhere(getattr(self._module, name), f"{self._fqn}.{name}", self._layer)
+
+    def __len__(self) -> int:
+        return len(self._module)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        return _elsewhere(self._module[key], f"{self._fqn}.{key}", self._layer)  # type: ignore[index]
+
+    def __iter__(self) -> Any:
+        return (_elsewhere(m, f"{self._fqn}.{i}", self._layer) for i, m in enumerate(self._module))  # type: ignore[call-overload]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise PlanFileError(
+            f"the model calls {self._fqn} outside its layer {self._layer}, which runs on another pipeline stage: a "
+            f"module shared between layers must stay on one stage; plan this model with pp 1"
+        )
+
+
+class Boundary(nn.Module):
+    """The next stage's first layer: stops this stage's forward and hands over its call arguments (its attributes
+    are read on its meta-device original, as Placeholder's are)."""
+
+    def __init__(self, fqn: str, original: nn.Module | None = None) -> None:
         super().__init__()
         self.fqn = fqn
+        object.__setattr__(self, "_original", original)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None:
+                raise
+            return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise StopStage(args, kwargs)
@@ -287,7 +345,10 @@ def build_stage(
     for fqn in all_layers:
         if fqn in own or (fqn != next_first and _parameter_free(model.get_submodule(fqn))):
             continue
-        replacements[fqn] = Boundary(fqn) if fqn == next_first else Placeholder(fqn, calls[fqn].output, device)
+        original = model.get_submodule(fqn)
+        replacements[fqn] = (
+            Boundary(fqn, original) if fqn == next_first else Placeholder(fqn, calls[fqn].output, device, original)
+        )
     stage_model = _replace_modules(model, replacements)
     send = calls[next_first].grad_leaves if next_first is not None else ()
     recv_layer = own[0] if index > 0 else None

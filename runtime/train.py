@@ -27,7 +27,7 @@ from mlm.planner.errors import Infeasible, PlanFileError
 from mlm.planner.plan import Plan
 from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.context_parallel import ContextParallel
-from mlm.runtime.data import DropoutSeeds, TokenSource
+from mlm.runtime.data import DropoutSeeds, ExampleSource, TokenSource, data_source, split_rows
 from mlm.runtime.data_parallel import apply_data_parallel, choose_data_parallel
 from mlm.runtime.expert_parallel import ExpertParallel, expert_params, find_banks, gather_over_ep, shard_experts
 from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
@@ -42,6 +42,7 @@ from mlm.runtime.model_build import (
     owner_layer,
     plan_layers,
     record_layer_calls,
+    root_parameters,
     tied_groups,
 )
 from mlm.runtime.optim import (
@@ -110,7 +111,7 @@ class Runtime:
     schedule: Any  # a torch.distributed.pipelining schedule, or None when pp == 1
     tied: list[TiedCopy]
     canonical: dict[str, str]
-    source: TokenSource
+    source: TokenSource | ExampleSource
     tp_contexts: Callable[[], contextlib.AbstractContextManager]
     tokens: LossTokens = field(default_factory=LossTokens)  # loss tokens of this step's micro-batches (optim.py)
     dropout: DropoutSeeds | None = None  # per-layer, per-micro-batch RNG seeds (data.py)
@@ -206,6 +207,7 @@ def _build_runtime(
     check_tp_map(plan.tensor_parallel, model)
     canonical = meta.canonical
     ties = tied_groups(model)  # before TP / FSDP replace the parameters of this rank's layers
+    roots = root_parameters(model, plan_layers(plan))
     seq_start = sequence_parallel_start(model, plan.tensor_parallel) if lay.sequence_parallel else None
     dtype = compute_dtype(plan, opts, device)
     tokens = LossTokens()
@@ -260,7 +262,7 @@ def _build_runtime(
         materialize(st, meta, device, original_fqn, row_shards)
         if choice.wrapper == "ddp":  # DDP broadcasts real parameters when built
             runners.append(apply_data_parallel(st, layers, choice, info.dp_mesh, dtype))
-    tied = _tied_copies(ties, plan, info, stages)
+    tied = _tied_copies(ties, plan, info, stages) + _root_copies(roots, plan, info, stages)
     del model, meta  # other stages' layers are freed; this rank keeps only its own
     dropout = DropoutSeeds(opts.seed, info.data_rank, lay.num_microbatches, device)
     for st in stages:
@@ -269,14 +271,7 @@ def _build_runtime(
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
     paused = tuple(c for c in (tokens, dropout, experts, context) if c is not None)
     schedule = _build_schedule(plan, stages, runners, info, device, paused)
-    source = TokenSource(
-        vocab=plan.model.vocab_size,
-        seq_len=plan.training.seq_len,
-        global_batch=plan.training.global_batch,
-        seed=opts.seed,
-        path=opts.data,
-        dtype=opts.data_dtype,
-    )
+    source = data_source(plan, spec, opts.seed, opts.data, opts.data_dtype)
     source.check()
     rt = Runtime(
         plan,
@@ -394,7 +389,8 @@ def _tied_copies(ties: list[list[str]], plan: Plan, info: MeshInfo, stages: list
     ranks_of_stage = stage_ranks(plan)
     lay = plan.layout
     copies: list[TiedCopy] = []
-    for names in ties:
+    for group in ties:
+        names = [n for n in group if any(n.startswith(f + ".") for f in layers)]  # not T5's uncalled `shared`
         owners: dict[int, list[str]] = {}
         for name in names:
             owners.setdefault(ranks_of_stage[stage_of[owner_layer(name, layers)]], []).append(name)
@@ -415,6 +411,29 @@ def _tied_copies(ties: list[list[str]], plan: Plan, info: MeshInfo, stages: list
                     stage = next(st for st in stages if name.startswith(tuple(f + "." for f in st.layers)))
                     param = stage.inner.model.get_parameter(name)
                     copies.append(TiedCopy(param, group, primary=info.pp_rank == pp_ranks[0]))
+    return copies
+
+
+def _root_copies(names: list[str], plan: Plan, info: MeshInfo, stages: list[StageModule]) -> list[TiedCopy]:
+    """Every pipeline rank holds the root parameters (model_build.root_parameters); like a tied weight's copies,
+    their gradients are summed over the pipeline ranks (only the stage whose root code reads them with real
+    values has any) so that every copy takes the same step."""
+    lay = plan.layout
+    if lay.pp == 1 or not names:
+        return []
+    copies: list[TiedCopy] = []
+    for name in names:
+        held = {id(st.inner.model.get_parameter(name)): st.inner.model.get_parameter(name) for st in stages}
+        if len(held) > 1:
+            raise Infeasible(
+                f"root parameter {name} (outside every layer) with several stages on one pipeline rank under a "
+                f"data-parallel wrapper: not supported; plan without interleaving (vpp 1)"
+            )
+        for d in range(lay.dp * lay.cp):
+            for t in range(lay.tp):
+                group = dist.new_group([info.global_rank(p, d, t) for p in range(lay.pp)])
+                if (d, t) == (info.dp_rank, info.tp_rank):
+                    copies.append(TiedCopy(next(iter(held.values())), group, primary=info.pp_rank == 0))
     return copies
 
 
@@ -606,7 +625,7 @@ def _nonfinite_message(rt: Runtime, step: int, loss: float, norm: float) -> str:
     )
 
 
-def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _forward_backward(rt: Runtime, inputs: Any, targets: Any) -> torch.Tensor:
     """One global step's forward and backward on this rank; returns the sum of its micro-batch losses (zero on
     ranks without the last stage)."""
     n = rt.plan.layout.num_microbatches
@@ -617,7 +636,7 @@ def _forward_backward(rt: Runtime, inputs: torch.Tensor, targets: torch.Tensor) 
     runner = rt.runners[0]
     total = torch.zeros((), device=rt.device)
     each = rt.plan.layout.zero == 3  # ZeRO-3 keeps only gradient shards: reduce-scatter after every micro-batch
-    for i, (inp, tgt) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+    for i, (inp, tgt) in enumerate(zip(split_rows(inputs, n), split_rows(targets, n))):
         with _grad_sync(runner, last=each or i == n - 1):
             loss = runner(inputs=inp, targets=tgt).reshape(())  # the micro-batch's loss sum (optim.py)
             loss.backward()

@@ -72,8 +72,11 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def resolve(graph: GraphFacts, attrs: dict[str, Attribute], embedding_dim: int | None) -> Facts:
-    """The graph's facts, the attributes as a cross-check, and one sentence per gap or disagreement."""
+def resolve(
+    graph: GraphFacts, attrs: dict[str, Attribute], embedding_dim: int | None, token_inputs: bool = True
+) -> Facts:
+    """The graph's facts, the attributes as a cross-check, and one sentence per gap or disagreement (no word on a
+    vocabulary where the inputs are not tokens: an image model has none)."""
     notes: list[str] = []
     site = _representative(graph.attention, notes)
     if site is None:
@@ -101,7 +104,7 @@ def resolve(graph: GraphFacts, attrs: dict[str, Attribute], embedding_dim: int |
         hidden = fallback
     else:
         _cross_check("hidden_size", hidden, graph.hidden_from, attrs, notes)
-    vocab = _vocab(graph, attrs, notes)
+    vocab = _vocab(graph, attrs, notes if token_inputs else [])
     if graph.unused_params:
         listed = ", ".join(name for name, _ in graph.unused_params[:4])
         more = f" and {len(graph.unused_params) - 4} more" if len(graph.unused_params) > 4 else ""

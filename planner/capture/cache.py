@@ -32,7 +32,7 @@ from mlm.planner.capture.presets.registry import PRESETS, Preset
 FORMAT_VERSION = 1  # bump when the entry layout below changes
 PRESET_PREFIX = "preset:"  # as loader.PRESET_PREFIX (not imported: loader imports torch)
 _CAPTURE_DIR = Path(__file__).resolve().parent
-_VERSIONED = ("mlm", "torch", "transformers", "networkx")  # packages whose version can change a capture
+_VERSIONED = ("mlm", "torch", "transformers", "diffusers", "networkx")  # packages whose version can change a capture
 _ALLOWED_MODULES = ("builtins", "collections", "copyreg", "networkx", "mlm.", "pathlib", "_codecs")
 
 

@@ -64,6 +64,9 @@ class GraphFacts:
     unused_params: tuple[tuple[str, int], ...] = ()  # (name, elements) of parameters no captured op reads
     short_table: tuple[int, int, str] | None = None  # (rows, positions read, module) of a too-short position table
     data_dependent: tuple[str, ...] = ()  # modules whose ops have sizes that depend on tensor values (see trace.py)
+    # "<reader> reads the output of <layer>" for each connection that skips over a block (trace.pipeline_skips)
+    pipeline_skips: tuple[str, ...] = ()
+    reused_modules: tuple[str, ...] = ()  # "<module> of <block>": a block's submodule called outside the block
 
 
 def graph_facts(
@@ -365,19 +368,24 @@ def _hidden(
     return int(t.shape[-1]), f"the input of {first_block}, shape {tuple(t.shape)}"
 
 
+def _numel(t: torch.Tensor | None) -> int:
+    return t.numel() if t is not None else 0
+
+
 def _is_float(t: torch.Tensor | None) -> bool:
     return t is not None and t.is_floating_point()
 
 
 def _vocab_in(calls: list[torch.fx.Node], dependent: set[torch.fx.Node], params: set[torch.fx.Node]) -> int | None:
-    """Rows of the first embedding whose indices come from the batch (position tables read an arange)."""
+    """Rows of the first embedding whose indices are a sequence from the batch (position tables read an arange;
+    one id per sample, a class label as a DiT embeds it, is not a token sequence)."""
     for n in calls:
         if op_name(n) != "embedding":
             continue
         tensors = [a for a in _inputs(n) if val(a) is not None]
         weight = next((a for a in tensors if a in params), None)
         index = next((a for a in tensors if a not in params), None)
-        if weight is not None and index is not None and index in dependent:
+        if weight is not None and index is not None and index in dependent and _numel(val(index)) > 1:
             w = val(weight)
             assert w is not None
             return int(w.shape[0])

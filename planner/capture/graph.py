@@ -164,6 +164,14 @@ class ModelIR:
     warnings: tuple[str, ...] = ()  # one sentence per assumption capture made (shown by --inspect, in plan.json)
     block_kinds: tuple[BlockKind, ...] = ()  # every distinct block, captured once each
     compute_bytes: int = 2  # bytes per element of the compute dtype the activations were captured in (bf16: 2)
+    # False when the inputs are not token sequences that --seq-len shapes (images, latents): seq_len is then the
+    # tokens a sample's attention runs over, or 1, and throughput is reported per sample
+    token_inputs: bool = True
+    # connections that skip over a block ("up_blocks.1 reads the output of time_embedding"): no pipeline stages
+    pipeline_skips: tuple[str, ...] = ()
+    # "<module> of <block>": a block's submodule that the model also calls outside the block (a DiT's head calls
+    # its first block's timestep embedder): FSDP gathers a block's weights only around the block's own call
+    reused_modules: tuple[str, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[LayerIR, ...]:

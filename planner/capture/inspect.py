@@ -27,6 +27,8 @@ def inspect_summary(ir: ModelIR) -> dict[str, Any]:
         "capture_method": ir.capture_method,
         "capture_seconds": round(ir.capture_seconds, 3),
         "seq_len": ir.seq_len,
+        "token_inputs": ir.token_inputs,
+        "unit": "token" if ir.token_inputs or ir.seq_len > 1 else "sample",  # what the per-token figures count
         "hidden_size": ir.hidden_size,
         "num_heads": ir.num_heads,
         "num_kv_heads": ir.num_kv_heads,

@@ -28,6 +28,7 @@ import networkx as nx
 import torch
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from mlm.planner.capture import blocks as stacks
 from mlm.planner.capture import masks
@@ -40,7 +41,7 @@ from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
 from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, tensor_args, val
-from mlm.planner.capture.training_step import TrainingModule, default_batch
+from mlm.planner.capture.training_step import TrainingModule, default_batch, example_batch
 from mlm.planner.errors import ModelLoadError, TraceError
 
 ROOT = "model"  # the user model's path inside TrainingModule
@@ -76,7 +77,10 @@ def capture(
     tied = _has_tied_embedding(model)
     attrs = attribute_facts(model)
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if seq_len is not None:
+    token_inputs = inputs_follow_seq_len(spec, seq_len or DEFAULT_SEQ_CAP)
+    if not token_inputs:
+        captured, seq, seq_note = _capture_per_sample(spec, model, seq_len, method, options)
+    elif seq_len is not None:
         seq, seq_note = seq_len, None
         captured = _capture_model(spec, model, seq, method, options)
     else:
@@ -98,14 +102,14 @@ def capture(
                 f"(pass --seq-len to change)"
             )
             seq = shorter
-        short = captured[2].short_table
-        if short is not None and short[0] < seq:  # runs on meta, would index past the table on a GPU
-            captured = _capture_model(spec, build_meta(spec, torch_dtype), short[0], method, options)
-            seq_note = (
-                f"seq_len {short[0]}: the position table of {short[2] or 'the model'} holds {short[0]} positions, "
-                f"fewer than the default {seq} (pass --seq-len to change)"
-            )
-            seq = short[0]
+    short = captured[2].short_table if token_inputs and seq_len is None else None
+    if short is not None and short[0] < seq:  # runs on meta, would index past the table on a GPU
+        captured = _capture_model(spec, build_meta(spec, torch_dtype), short[0], method, options)
+        seq_note = (
+            f"seq_len {short[0]}: the position table of {short[2] or 'the model'} holds {short[0]} positions, "
+            f"fewer than the default {seq} (pass --seq-len to change)"
+        )
+        seq = short[0]
     layers, how, found, notes, kinds = captured
     if found.data_dependent:
         notes.append(
@@ -121,10 +125,14 @@ def capture(
     causal = [layer.name for layer in layers if _causal_mask(layer)]
     if causal:
         notes.append(
-            f"attention in {_first(causal)} receives a mask tensor with the causal pattern: priced as the causal call "
-            f"transformers makes when it runs eagerly (is_causal, no mask: half the blocks, K/V with the model's kv "
-            f"heads; it builds the mask only while traced); a model that passes such a mask when it runs computes "
-            f"every block"
+            f"attention in {_first(causal)} receives a mask tensor with the causal pattern: torch's SDPA kernels "
+            f"compute every (query, key) block under a mask, and it is priced so (is_causal=True instead of the mask "
+            f"would skip the blocks above the diagonal)"
+        )
+    if found.reused_modules:
+        notes.append(
+            f"{_first(list(found.reused_modules))} is also called outside that block: its work there is priced with "
+            f"the block, and plans keep the two on one pipeline stage and do not shard the block with ZeRO-3"
         )
     windowed = [layer.name for layer in layers if layer.flops_attention_full and _windowed(layer.attention)]
     if windowed:
@@ -132,7 +140,7 @@ def capture(
             f"attention in {_first(windowed)} passes a sliding-window mask: torch's SDPA kernels compute every "
             f"(query, key) block under a mask, and it is priced so (a block-sparse kernel would skip most of them)"
         )
-    facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None)
+    facts = resolve(found, attrs, emb.embedding_dim if emb is not None else None, token_inputs)
     return ModelIR(
         layers=tuple(layers),
         num_params=num_params,
@@ -150,7 +158,47 @@ def capture(
         warnings=tuple(n for n in (seq_note, *notes, *facts.warnings) if n),
         block_kinds=kinds,
         compute_bytes=torch_dtype.itemsize,
+        token_inputs=token_inputs,
+        pipeline_skips=found.pipeline_skips,
+        reused_modules=found.reused_modules,
     )
+
+
+def inputs_follow_seq_len(spec: ModelSpec, seq: int) -> bool:
+    """Whether --seq-len shapes the model's inputs: the token ids mlm builds always do; a file's example_inputs do
+    when their shapes change with it (images, latents or audio clips of a fixed size do not)."""
+    if spec.example_inputs is None:
+        return True
+    try:
+        with torch.device("meta"):
+            shapes = [
+                [tuple(t.shape) for t in tree_leaves(spec.example_inputs(1, n)) if isinstance(t, torch.Tensor)]
+                for n in (seq, 2 * seq)
+            ]
+    except Exception:  # noqa: BLE001 - an example_inputs that refuses a length is left to the capture to report
+        return True
+    return shapes[0] != shapes[1]
+
+
+def _capture_per_sample(
+    spec: ModelSpec, model: nn.Module, asked: int | None, method: str, options: tuple[bool, float, torch.dtype]
+) -> tuple[Any, int, str]:
+    """Capture a model whose inputs do not follow --seq-len, once to find the sequence its self-attention runs
+    over (a ViT's patches and class token), again at that length if it differs, so that its score matrices are
+    recognised. With no attention, or attention at several lengths (a U-Net), the unit is the sample (length 1)."""
+    probe = asked or DEFAULT_SEQ_CAP
+    captured = _capture_model(spec, model, probe, method, options)
+    lengths = {site.q_len for site in captured[2].attention if site.kind != "cross"}
+    tokens = lengths.pop() if len(lengths) == 1 else 1
+    if tokens != probe:
+        captured = _capture_model(spec, build_meta(spec, options[2]), tokens, method, options)
+    ignored = f" (--seq-len {asked} does not apply)" if asked else ""
+    unit = (
+        f"per sample of {tokens} tokens, the sequence its attention runs over"
+        if tokens > 1
+        else "per sample (no single sequence that its attention runs over)"
+    )
+    return captured, tokens, f"the inputs from example_inputs do not change with seq_len{ignored}: costed {unit}"
 
 
 def default_seq_len(attrs: dict[str, Attribute]) -> tuple[int, str]:
@@ -418,12 +466,8 @@ def _example_batch(spec: ModelSpec, model: nn.Module, seq: int) -> tuple[Any, to
     """The file's example_inputs(1, seq), float tensors cast to the model's dtype, else a batch of token ids."""
     if spec.example_inputs is not None:
         with torch.device("meta"):
-            example = spec.example_inputs(1, seq)
-        example = _to_dtype(example, _compute_dtype(model))
-        if isinstance(example, tuple) and len(example) == 2:
-            return example
-        ref = example if isinstance(example, torch.Tensor) else next(iter(example.values()))
-        return example, torch.zeros(ref.shape[:2], dtype=torch.long, device="meta")
+            inputs, targets = example_batch(spec.example_inputs, 1, seq)
+        return _to_dtype(inputs, _compute_dtype(model)), _to_dtype(targets, _compute_dtype(model))
     required = _required_forward_args(model)
     if len(required) > 1 and not (len(required) == 2 and required[1] == "targets"):
         raise ModelLoadError(
@@ -596,7 +640,12 @@ def build_layers(
     tags = region_tags(calls, costs, is_param)
     dependent = _input_dependent(graph, is_param)
     order = list(dict.fromkeys(owner[n] for n in calls))
-    layer_params = _params_by_layer(model, order)
+    readers: dict[str, str] = {}  # parameter -> the layer of the first op that reads it
+    for n in calls:
+        for a in _inputs(n):
+            if a in params:
+                readers.setdefault(_strip_root(params[a]), owner[n])
+    layer_params = _params_by_layer(model, order, readers)
     modules = dict(model.named_modules())
     sites = {fqn: top_k_from_graph(site, calls, f"{ROOT}.{fqn}" if fqn else ROOT) for fqn, site in moe.items()}
     dropped = _expert_ops(calls, params, sites)
@@ -617,10 +666,63 @@ def build_layers(
     kinds: dict[str, list[str]] = {}
     for site in found.attention:
         kinds.setdefault(site.layer, []).append(site.kind)
-    layers = [_as_run(replace(layer, attention=tuple(kinds.get(layer.name, ())))) for layer in layers]
+    layers = [replace(layer, attention=tuple(kinds.get(layer.name, ()))) for layer in layers]
     read = {_strip_root(name) for node, name in params.items() if any(u in costs for u in node.users)}
     read |= {p for site in moe.values() for p in site.expert_params}  # priced analytically
-    return layers, replace(found, unused_params=unused_parameters(model, read))
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    weights = {n for n, name in params.items() if _strip_root(name) in names}  # not buffers (rotary inv_freq)
+    skips = pipeline_skips(graph, calls, owner, weights, [layer.name for layer in layers if layer.kind == "block"])
+    containers = tuple(g.fqn for g in groups)
+    reused = tuple(dict.fromkeys(r for n in calls if (r := _called_outside_block(n, containers)) is not None))
+    return layers, replace(
+        found, unused_params=unused_parameters(model, read), pipeline_skips=skips, reused_modules=reused
+    )
+
+
+def _called_outside_block(node: torch.fx.Node, containers: tuple[str, ...]) -> str | None:
+    """'<module> of <block>' when the op runs in a block's submodule called from outside the block's forward (a
+    DiT's head calls transformer_blocks[0].norm1.emb): the block's stack entry is missing."""
+    paths = [_strip_root(_clean_path(str(path))) for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    for fqn in paths:
+        inside = next((c for c in containers if fqn.startswith(c + ".")), None)
+        if inside is None:
+            continue
+        block = inside + "." + fqn[len(inside) + 1 :].split(".")[0]
+        if block != fqn and block not in paths:
+            return f"{fqn} of {block}"
+        return None
+    return None
+
+
+def pipeline_skips(
+    graph: torch.fx.Graph,
+    calls: list[torch.fx.Node],
+    owner: dict[torch.fx.Node, str],
+    weights: set[torch.fx.Node],
+    blocks: list[str],
+) -> tuple[str, ...]:
+    """Connections that skip over a block: a layer reading a value computed from the weights (an activation) by a
+    layer with a block between them, as a U-Net's up blocks read its down blocks and time embedding, or T5's
+    decoder reads its encoder. mlm-run's pipeline stages pass on only the inputs of the next stage's first layer,
+    so a model with such a connection runs only without pipeline parallelism. Values computed from the batch and
+    buffers alone (position ids, rotary tables, masks) are recomputed by every stage and do not count."""
+    weighted: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if n in weights or any(a in weighted for a in _inputs(n)):
+            weighted.add(n)
+    order = list(dict.fromkeys(owner[n] for n in calls))
+    pos = {name: i for i, name in enumerate(order)}
+    block_pos = sorted(pos[b] for b in blocks if b in pos)
+    found: dict[tuple[str, str], None] = {}
+    for n in calls:
+        reader = owner[n]
+        for a in _inputs(n):
+            source = owner.get(a)
+            if source is None or source == reader or a not in weighted:
+                continue
+            if any(pos[source] < b < pos[reader] for b in block_pos):
+                found[(reader, source)] = None
+    return tuple(f"{reader} reads the output of {source}" for reader, source in found)
 
 
 def _expert_ops(
@@ -790,7 +892,10 @@ _ALIASING = frozenset(
 )
 
 
-def _params_by_layer(model: nn.Module, order: list[str]) -> dict[str, int]:
+def _params_by_layer(model: nn.Module, order: list[str], readers: dict[str, str]) -> dict[str, int]:
+    """Elements of the parameters each layer's modules hold; a parameter outside every layer (a ViT's class token
+    or position table on the root module) counts in the layer whose ops read it first (mlm-run keeps such
+    parameters on every pipeline stage: runtime/model_build.py root_parameters)."""
     seen: set[int] = set()
     counts: dict[str, int] = {}
     modules = dict(model.named_modules())
@@ -804,6 +909,10 @@ def _params_by_layer(model: nn.Module, order: list[str]) -> dict[str, int]:
                 seen.add(id(p))
                 total += p.numel()
         counts[name] = total
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen and readers.get(name) in counts:
+            seen.add(id(p))
+            counts[readers[name]] += p.numel()
     return counts
 
 
@@ -964,20 +1073,6 @@ def _causal_mask(layer: LayerIR) -> bool:
         and all(k == "causal" for k in layer.attention)
         and any(d.get("masked") for _, d in (layer.ops.nodes(data=True) if layer.ops is not None else ()))
     )
-
-
-def _as_run(layer: LayerIR) -> LayerIR:
-    """A layer whose attention received a mask tensor with the causal pattern is priced as the causal call
-    transformers makes when it runs (is_causal and enable_gqa, no mask; it builds the mask only while traced, and
-    capture traces): no full-work FLOPs, K/V at the model's kv heads (op nodes' kv_heads 0: inputs._kv_bytes falls
-    back to them). capture() says so in a warning."""
-    if not _causal_mask(layer):
-        return layer
-    assert layer.ops is not None
-    for _, d in layer.ops.nodes(data=True):
-        if d.get("kind") == "attention":
-            d["kv_heads"] = 0
-    return replace(layer, flops_attention_full=0.0)
 
 
 def _windowed(kinds: tuple[str, ...]) -> bool:

@@ -44,6 +44,17 @@ def default_batch(
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def example_batch(example_inputs: Callable[[int, int], Any], batch_size: int, seq_len: int) -> Batch:
+    """The model file's example_inputs(batch_size, seq_len) as (inputs, targets): a 2-tuple is that pair; anything
+    else is the inputs alone, with zero targets of its first tensor's (batch, seq) shape (a loss_fn that reads
+    no targets). Create it under torch.device("meta") for a batch without data."""
+    example = example_inputs(batch_size, seq_len)
+    if isinstance(example, tuple) and len(example) == 2:
+        return example
+    ref = example if isinstance(example, torch.Tensor) else next(iter(example.values()))
+    return example, torch.zeros(ref.shape[:2], dtype=torch.long, device=ref.device)
+
+
 def takes_targets(model: nn.Module) -> bool:
     """Whether the forward has a `targets` parameter (nanoGPT style)."""
     try:

@@ -711,6 +711,19 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
             return f"tp {layout.tp} does not divide the {what} ({size})"
     if layout.pp * layout.vpp > ir.num_layers:
         return f"pp·vpp = {layout.pp * layout.vpp} exceeds the {ir.num_layers} blocks"
+    skips = getattr(ir, "pipeline_skips", ())
+    if layout.pp > 1 and skips:
+        return (
+            f"pp {layout.pp}: {skips[0]}{f' (and {len(skips) - 1} more)' if len(skips) > 1 else ''}, a connection "
+            f"that skips over blocks, which mlm-run's pipeline stages do not carry"
+        )
+    reused = getattr(ir, "reused_modules", ())
+    if layout.zero == 3 and layout.dp * layout.cp > 1 and reused:
+        return (
+            f"zero 3: the model calls {reused[0]} outside that block, where FSDP's per-block gather does not cover it"
+        )
+    if layout.cp > 1 and not getattr(ir, "token_inputs", True):
+        return f"cp {layout.cp}: the model's inputs are not token sequences that context parallelism can split"
     if layout.pp > 1 and layout.num_microbatches < layout.pp:
         return (
             f"1F1B needs at least pp = {layout.pp} micro-batches per step, got {layout.num_microbatches}: "

@@ -134,7 +134,12 @@ def build_plan(
             gpus_per_node=cluster.gpus_per_node,
             profile={"gpu": gpu.to_dict(), "cluster": cluster.to_dict()},
         ),
-        training=Training(global_batch=layout.global_batch, seq_len=ir.seq_len, dtype=gpu.compute_dtype),
+        training=Training(
+            global_batch=layout.global_batch,
+            seq_len=ir.seq_len,
+            dtype=gpu.compute_dtype,
+            token_inputs=ir.token_inputs,
+        ),
         layout=layout,
         stages=stages,
         tensor_parallel=tensor_parallel,

@@ -184,3 +184,19 @@ def test_a_block_module_called_outside_its_block_rules_out_zero3() -> None:
     assert any("called outside that block" in w for w in ir.warnings)
     with pytest.raises(Infeasible, match="outside that block"):
         make_plan(spec, ir, PlanRequest(num_gpus=4, global_batch=8, dp=4, zero=3))
+
+
+def test_root_parameters_are_found_and_interleaving_them_under_data_parallelism_is_not_planned() -> None:
+    """A ViT's class token and position table live on the root module: every stage holds them (pp 2 ran above);
+    two stages of one rank under a data-parallel wrapper would hold two wrapped copies, which mlm-run does not
+    keep equal (it failed there), so such a layout is not planned."""
+    from mlm.planner.errors import Infeasible
+
+    spec = load_model_spec(str(MODELS / "tiny_vit.py"), None, {"depth": 4})
+    ir = capture(spec, seq_len=16)
+    assert ir.root_params == ("cls", "pos")
+    assert sum(layer.params for layer in ir.layers) == ir.num_params  # they are priced, with the layer reading them
+    pins = dict(tp=1, pp=2, vpp=2, micro_batch=1)
+    with pytest.raises(Infeasible, match="cls lies outside every layer"):
+        make_plan(spec, ir, PlanRequest(num_gpus=4, global_batch=8, dp=2, **pins))
+    assert make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=8, dp=1, **pins)).plan.layout.vpp == 2

@@ -237,3 +237,12 @@ def test_solver_choice(gpt2) -> None:
     else:
         with pytest.raises(PlanError, match="highs"):
             plan_tensor_parallel(gpt2, 4, solver="highs")
+
+
+def test_a_position_table_as_long_as_the_vocabulary_is_not_vocabulary_parallel() -> None:
+    """GPT with block_size == vocab_size: wpe has as many rows as wte, but reads an arange, not token ids; only
+    wte (and the tied head) are split by vocabulary rows."""
+    shape = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "block_size": 256}
+    ir = capture(load_model_spec("gpt2", args=shape), seq_len=64)
+    styles = plan_tensor_parallel(ir, tp=2).styles
+    assert styles["transformer.wte"] == "vocab" and styles["transformer.wpe"] == "replicate"

@@ -67,6 +67,7 @@ class GraphFacts:
     # "<reader> reads the output of <layer>" for each connection that skips over a block (trace.pipeline_skips)
     pipeline_skips: tuple[str, ...] = ()
     reused_modules: tuple[str, ...] = ()  # "<module> of <block>": a block's submodule called outside the block
+    root_params: tuple[str, ...] = ()  # parameters outside every layer (a ViT's class token on the root module)
 
 
 def graph_facts(

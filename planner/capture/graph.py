@@ -28,6 +28,7 @@ class LinearOp:
     out_features: int  # embedding: the embedding dimension
     has_bias: bool
     rows: int  # tokens per sample that pass through it (seq_len for a transformer)
+    token_ids: bool = True  # embedding: indexed by ids from the batch (a position table reads an arange: False)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ class ModelIR:
     # "<module> of <block>": a block's submodule that the model also calls outside the block (a DiT's head calls
     # its first block's timestep embedder): FSDP gathers a block's weights only around the block's own call
     reused_modules: tuple[str, ...] = ()
+    # parameters outside every layer (a ViT's class token on the root module): mlm-run keeps a copy on every stage
+    root_params: tuple[str, ...] = ()
 
     @property
     def moe_layers(self) -> tuple[LayerIR, ...]:

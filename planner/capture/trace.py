@@ -161,6 +161,7 @@ def capture(
         token_inputs=token_inputs,
         pipeline_skips=found.pipeline_skips,
         reused_modules=found.reused_modules,
+        root_params=found.root_params,
     )
 
 
@@ -672,10 +673,16 @@ def build_layers(
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     weights = {n for n, name in params.items() if _strip_root(name) in names}  # not buffers (rotary inv_freq)
     skips = pipeline_skips(graph, calls, owner, weights, [layer.name for layer in layers if layer.kind == "block"])
+    inside = {id(p) for name in order if name in modules for p in modules[name].parameters()}
+    roots = tuple(name for name, p in model.named_parameters() if id(p) not in inside)
     containers = tuple(g.fqn for g in groups)
     reused = tuple(dict.fromkeys(r for n in calls if (r := _called_outside_block(n, containers)) is not None))
     return layers, replace(
-        found, unused_params=unused_parameters(model, read), pipeline_skips=skips, reused_modules=reused
+        found,
+        unused_params=unused_parameters(model, read),
+        pipeline_skips=skips,
+        reused_modules=reused,
+        root_params=roots,
     )
 
 
@@ -948,7 +955,7 @@ def _layer_ir(
         else:
             flops["elt"] += c.flops
             if c.kind == "embedding":
-                linears.append(_embedding_op(n, params, name))
+                linears.append(_embedding_op(n, params, name, is_param))
         moved += c.bytes_moved
         for s in c.saved:
             saved[_base(s)] = None
@@ -1042,12 +1049,17 @@ def _linear_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -
     )
 
 
-def _embedding_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
+def _embedding_op(
+    n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str, inert: set[torch.fx.Node]
+) -> LinearOp:
+    """`inert`: parameters and ops that do not depend on the batch; an index among them (a position table reads
+    an arange) is not a token id, whatever the table's row count."""
     weight = next(a for a in _inputs(n) if a in params)
     w = val(weight)
     assert w is not None
     out = val(n)
     rows = int(out.numel() // out.shape[-1]) if out is not None else 0
+    index = next((a for a in _inputs(n) if a not in params and val(a) is not None), None)
     return LinearOp(
         fqn=_module_of(n) or _param_module(params[weight]),
         kind="embedding",
@@ -1055,6 +1067,7 @@ def _embedding_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str
         out_features=int(w.shape[1]),
         has_bias=False,
         rows=rows,
+        token_ids=index is not None and index not in inert,
     )
 
 

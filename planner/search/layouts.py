@@ -722,6 +722,12 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
         return (
             f"zero 3: the model calls {reused[0]} outside that block, where FSDP's per-block gather does not cover it"
         )
+    roots = getattr(ir, "root_params", ())
+    if layout.vpp > 1 and layout.dp * layout.cp > 1 and roots:
+        return (
+            f"vpp {layout.vpp}: {roots[0]} lies outside every layer, and mlm-run does not keep the copies of such a "
+            f"parameter on two stages of one rank under a data-parallel wrapper"
+        )
     if layout.cp > 1 and not getattr(ir, "token_inputs", True):
         return f"cp {layout.cp}: the model's inputs are not token sequences that context parallelism can split"
     if layout.pp > 1 and layout.num_microbatches < layout.pp:

@@ -223,7 +223,8 @@ def plan_tensor_parallel(
     for layer in ir.layers:
         if layer.kind == "embedding":
             for op in layer.linears:
-                vocab = op.kind == "embedding" and op.in_features == ir.vocab_size and op.in_features % tp == 0
+                vocab = op.kind == "embedding" and op.token_ids and op.in_features == ir.vocab_size
+                vocab = vocab and op.in_features % tp == 0
                 styles[op.fqn] = "vocab" if vocab and tp > 1 else "replicate"
         elif layer.kind == "head":
             for op in layer.linears:

@@ -182,7 +182,7 @@ def apply_tensor_parallel(
         parallelize_module(model, mesh, plan)
     for region in regions:
         region.install(model, mesh, seq)
-    _retie(model, ties)
+    _retie(model, ties, set(concrete))
     if sequence_parallel and sequence_start is not None:
         _scatter_sequence(model, sequence_start, mesh)
     return vocab_head
@@ -735,17 +735,21 @@ def _ties(model: nn.Module) -> list[list[str]]:
     return [v for v in by_id.values() if len(v) > 1]
 
 
-def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+def _retie(model: nn.Module, ties: list[list[str]], styled: set[str]) -> None:
     """parallelize_module replaces each module's parameters; parameters tied inside one stage (wte/lm_head with
-    pp == 1) must point at one tensor again. Their shardings must agree (both vocab-sharded or both replicated)."""
-    for names in ties:
+    pp == 1) must point at one tensor again. Their shardings must agree (both vocab-sharded or both replicated),
+    among the modules the plan gives a style; an alias on a module it does not (T5's `shared`, never called: the
+    model calls encoder.embed_tokens) takes the styled copy."""
+    for group in ties:
+        names = sorted(group, key=lambda n: n.rpartition(".")[0] not in styled)  # styled modules first
         first = model.get_parameter(names[0])
         for other in names[1:]:
             mod_name, _, attr = other.rpartition(".")
             current = model.get_parameter(other)
             if current is first:
                 continue
-            if _placements(current) != _placements(first) or current.shape != first.shape:
+            aligned = _placements(current) == _placements(first) and current.shape == first.shape
+            if not aligned and mod_name in styled:
                 raise PlanFileError(
                     f"plan.json: tied parameters {names[0]} and {other} get different "
                     f"tensor_parallel shardings; give both modules the same style"

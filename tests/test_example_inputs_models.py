@@ -88,8 +88,8 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
     """mlm-run on mlm-plan's plans, 3 AdamW steps, against one process: a ViT whose class token and position
     table are root parameters (held by both pipeline stages, their gradients summed) at dp2, tp2 and pp2; HF ViT
     at pp2 (its root reads the patch projection's dtype on the stage that does not hold it); a U-Net for
-    segmentation at dp2; T5 (its `shared` embedding is called as encoder.embed_tokens) at dp2; diffusers'
-    conditional U-Net at tp2 and a DiT at dp2."""
+    segmentation at dp2; T5 (its `shared` embedding is called as encoder.embed_tokens, and ties to the vocabulary-
+    parallel copies under tp) at dp2 and tp2; diffusers' conditional U-Net at tp2 and a DiT at dp2."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -102,6 +102,7 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
         ("hf_vit.py", 1, 1, 2),
         ("unet_segmentation.py", 2, 1, 1),
         ("hf_t5.py", 2, 1, 1),
+        ("hf_t5.py", 1, 2, 1),  # attention replicated (its position bias spans every head), the MLP split
     ]
     try:
         import diffusers  # noqa: F401

@@ -246,3 +246,21 @@ def test_a_position_table_as_long_as_the_vocabulary_is_not_vocabulary_parallel()
     ir = capture(load_model_spec("gpt2", args=shape), seq_len=64)
     styles = plan_tensor_parallel(ir, tp=2).styles
     assert styles["transformer.wte"] == "vocab" and styles["transformer.wpe"] == "replicate"
+
+
+def test_attention_with_a_constant_that_spans_every_head_stays_replicated() -> None:
+    """T5 adds a relative-position bias with one row per head (a constant of the batch-independent positions) to
+    its scores: a rank holding half the heads could not add it, and mlm-run refused such a plan ("no per-rank
+    setting ... runs it on 2 heads per rank"). The ILP keeps that attention replicated and splits the MLP; a
+    rotary table or a causal mask (size 1 on the head dimension) does not stop Llama's attention from splitting."""
+    ir = capture(load_model_spec(HF_MODELS.replace("hf_models.py", "hf_t5.py")), seq_len=16)
+    styles = plan_tensor_parallel(ir, tp=2).styles
+    block = {k.split("block.0.", 1)[1]: v for k, v in styles.items() if k.startswith("encoder.block.0.")}
+    assert block == {
+        "layer.0.SelfAttention.q": "replicate",
+        "layer.0.SelfAttention.k": "replicate",
+        "layer.0.SelfAttention.v": "replicate",
+        "layer.0.SelfAttention.o": "replicate",
+        "layer.1.DenseReluDense.wi": "colwise",
+        "layer.1.DenseReluDense.wo": "rowwise",
+    }

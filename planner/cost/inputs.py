@@ -374,7 +374,8 @@ def _linears(
     fwd_n, fwd_b, bwd_n, bwd_b = 0, 0.0, 0, 0.0
     if layer.kind == "block":
         splits, inputs = _block_splits(layer, tags, sp, ir.compute_bytes)
-        for op, split in zip(layer.linears, splits):
+        # an embedding inside a block (T5's relative-position bias) is a replicated lookup, not a GEMM
+        for op, split in zip([op for op in layer.linears if op.kind == "linear"], splits):
             gemms.append(Gemm(op.rows, op.in_features, op.out_features, split))
             if split in ("col", "row"):
                 sharded += op.in_features * op.out_features + (op.out_features if op.has_bias and split == "col" else 0)
@@ -420,9 +421,10 @@ def _block_splits(
     linears. Without an op graph: GPT's pattern, alternating column/row linears and two all-reduces of the residual
     stream each way."""
     g = layer.ops
-    residual = elem_bytes * (layer.linears[0].rows * layer.linears[0].in_features if layer.linears else 0)
-    if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(layer.linears):
-        return ["col" if i % 2 == 0 else "row" for i in range(len(layer.linears))], [residual] * 2
+    linears = [op for op in layer.linears if op.kind == "linear"]
+    residual = elem_bytes * (linears[0].rows * linears[0].in_features if linears else 0)
+    if g is None or sum(1 for _, d in g.nodes(data=True) if d.get("kind") == "linear") != len(linears):
+        return ["col" if i % 2 == 0 else "row" for i in range(len(linears))], [residual] * 2
     splits: list[Split] = []
     inputs: list[float] = []
     seen = set()

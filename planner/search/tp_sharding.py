@@ -378,6 +378,7 @@ class _Model:
         self.constants, self.readers, residual = _classify_nodes(self.g)
         self.residual_bytes = 2.0 * _numel(residual)
         self.heads_ok = tp == 1 or (ir.num_heads % tp == 0 and (ir.num_kv_heads or ir.num_heads) % tp == 0)
+        self.heads = {ir.num_heads, ir.num_kv_heads or ir.num_heads}
         feats = {op.fqn: op for op in layer.linears}
         self.nodes = [n for n in self.g.nodes if n not in self.constants]
         self.strategies: dict[str, list[Strategy]] = {}
@@ -437,6 +438,16 @@ class _Model:
         if last in self.strategies:
             self.prob += self.state_out(last, self.r0) == 1, f"output_{last}"
 
+    def full_constants(self) -> None:
+        """An op cannot run split (S) when a constant operand spans the dimension S splits at full size: it would not
+        broadcast against the local part (T5's relative-position bias, one row per head, added to the scores), and
+        mlm-run does not slice a module's internal tensors. Rotary tables and masks have size 1 there."""
+        for v in self.nodes:
+            d = self.g.nodes[v]
+            spans = [_spans_split_dim(c, tuple(d["shape"]), self.heads) for c in d.get("constant_operands", ())]
+            if d["kind"] != "linear" and any(spans):
+                self.prob += self.state_in(v, S) == 0, f"full_constant_{v}"
+
     def shared_gather(self) -> None:
         for n in self.nodes:
             ks = [i for i, k in enumerate(self.strategies[n]) if k.gathers_input]
@@ -494,10 +505,19 @@ class _Model:
         self.one_strategy()
         self.edge_consistency()
         self.boundary()
+        self.full_constants()
         self.shared_gather()
         self.same_module()
         self.objective()
         return self.prob
+
+
+def _spans_split_dim(const: tuple[int, ...], out: tuple[int, ...], heads: set[int]) -> bool:
+    """Whether a constant of shape `const` has the full extent of the dimension that state S splits in a tensor of
+    shape `out`: of a 4-d tensor, its heads dimension (-3 in (batch, heads, seq, dim), -2 in (batch, seq, heads,
+    dim): the one sized as the heads); otherwise the last (features)."""
+    dims = [d for d in (-3, -2) if out[d] in heads] if len(out) == 4 else [-1] if out else []
+    return any(len(const) >= -d and const[d] > 1 and const[d] == out[d] for d in dims)
 
 
 def _solver(name: str, time_limit_s: float) -> pulp.LpSolver:

@@ -242,7 +242,9 @@ class StageModule(nn.Module):
                 raise RuntimeError(
                     f"stage {self.index} received {len(received)} tensors, expected {len(self.recv_leaves)}"
                 )
-            self._received = received
+            # the gradients sent back: with row-major strides too (a permute's backward gives the received
+            # activation a permuted gradient, and the previous stage receives into a buffer of those strides)
+            self._received = tuple(_StandardGradStrides.apply(x) if x.requires_grad else x for x in received)
         device = next((t.device for t in (*received, targets) if isinstance(t, torch.Tensor)), torch.device("cpu"))
         try:
             with contextlib.ExitStack() as stack:
@@ -257,7 +259,7 @@ class StageModule(nn.Module):
             for x in sent:
                 if phantom_of(x) is not None:
                     raise PlanFileError(_skip_message(self.layers[-1], "the next stage", phantom_of(x))) from None
-            return tuple(_to_local(x) for x in sent)
+            return tuple(_standard_strides(_to_local(x)) for x in sent)
         finally:
             self._received = None
         if not self.is_last:
@@ -298,6 +300,31 @@ def _to_local(x: Any) -> Any:
     tensor-parallel input layout reinterprets it)."""
     to_local = getattr(x, "to_local", None)
     return to_local() if callable(to_local) else x
+
+
+def _standard_strides(x: Any) -> Any:
+    """`x` with row-major strides: torch's pipeline stage makes the peer's receive buffers with the strides of what
+    is sent, and gloo's p2p needs contiguous buffers; a permuted activation (ConvNeXt's channels-last blocks), even
+    one that counts as contiguous through a size-1 dimension, is copied."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    standard, step = [], 1
+    for size in reversed(x.shape):
+        standard.append(step)
+        step *= max(size, 1)
+    return x if tuple(reversed(standard)) == x.stride() else x.clone(memory_format=torch.contiguous_format)
+
+
+class _StandardGradStrides(torch.autograd.Function):
+    """Identity whose backward gives the gradient row-major strides (_standard_strides)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _standard_strides(grad)
 
 
 def original_fqn(name: str) -> str:

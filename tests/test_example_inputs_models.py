@@ -89,7 +89,8 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
     table are root parameters (held by both pipeline stages, their gradients summed) at dp2, tp2 and pp2; HF ViT
     at pp2 (its root reads the patch projection's dtype on the stage that does not hold it); a U-Net for
     segmentation at dp2; T5 (its `shared` embedding is called as encoder.embed_tokens, and ties to the vocabulary-
-    parallel copies under tp) at dp2 and tp2; diffusers' conditional U-Net at tp2 and a DiT at dp2."""
+    parallel copies under tp) at dp2 and tp2; Whisper at tp2; ConvNeXt at pp2 (its permuted activation and its
+    gradient are sent with row-major strides, as gloo needs); diffusers' conditional U-Net at tp2 and a DiT at dp2."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -103,6 +104,8 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
         ("unet_segmentation.py", 2, 1, 1),
         ("hf_t5.py", 2, 1, 1),
         ("hf_t5.py", 1, 2, 1),  # attention replicated (its position bias spans every head), the MLP split
+        ("hf_whisper.py", 1, 2, 1),  # speech encoder-decoder: fixed-length features, decoder ids of seq_len
+        ("hf_convnext.py", 1, 1, 2),  # a channels-last activation crosses the stage boundary
     ]
     try:
         import diffusers  # noqa: F401

@@ -90,7 +90,8 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
     at pp2 (its root reads the patch projection's dtype on the stage that does not hold it); a U-Net for
     segmentation at dp2; T5 (its `shared` embedding is called as encoder.embed_tokens, and ties to the vocabulary-
     parallel copies under tp) at dp2 and tp2; Whisper at tp2; ConvNeXt at pp2 (its permuted activation and its
-    gradient are sent with row-major strides, as gloo needs); diffusers' conditional U-Net at tp2 and a DiT at dp2."""
+    gradient are sent with row-major strides, as gloo needs); Swin at tp2 (per-stage heads; its position bias spans
+    them); diffusers' conditional U-Net at tp2 and a DiT at dp2."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -106,6 +107,7 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
         ("hf_t5.py", 1, 2, 1),  # attention replicated (its position bias spans every head), the MLP split
         ("hf_whisper.py", 1, 2, 1),  # speech encoder-decoder: fixed-length features, decoder ids of seq_len
         ("hf_convnext.py", 1, 1, 2),  # a channels-last activation crosses the stage boundary
+        ("hf_swin.py", 1, 2, 1),  # window attention with a per-head position bias stays replicated
     ]
     try:
         import diffusers  # noqa: F401

@@ -252,7 +252,8 @@ def test_attention_with_a_constant_that_spans_every_head_stays_replicated() -> N
     """T5 adds a relative-position bias with one row per head (a constant of the batch-independent positions) to
     its scores: a rank holding half the heads could not add it, and mlm-run refused such a plan ("no per-rank
     setting ... runs it on 2 heads per rank"). The ILP keeps that attention replicated and splits the MLP; a
-    rotary table or a causal mask (size 1 on the head dimension) does not stop Llama's attention from splitting."""
+    rotary table or a causal mask (size 1 on the head dimension) does not stop Llama's attention from splitting.
+    Swin's learned bias (2 heads in its first stage, 4 in the second) is read against each block's own heads."""
     ir = capture(load_model_spec(HF_MODELS.replace("hf_models.py", "hf_t5.py")), seq_len=16)
     styles = plan_tensor_parallel(ir, tp=2).styles
     block = {k.split("block.0.", 1)[1]: v for k, v in styles.items() if k.startswith("encoder.block.0.")}
@@ -264,3 +265,9 @@ def test_attention_with_a_constant_that_spans_every_head_stays_replicated() -> N
         "layer.1.DenseReluDense.wi": "colwise",
         "layer.1.DenseReluDense.wo": "rowwise",
     }
+
+    swin = capture(load_model_spec(HF_MODELS.replace("hf_models.py", "hf_swin.py")), seq_len=16)
+    styles = plan_tensor_parallel(swin, tp=2).styles
+    attention = [v for k, v in styles.items() if ".attention." in k]
+    assert len(attention) == 16 and set(attention) == {"replicate"}  # q, k, v, o of 4 blocks
+    assert {v for k, v in styles.items() if k.endswith("mlp.fc1")} == {"colwise"}

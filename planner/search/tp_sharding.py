@@ -378,7 +378,10 @@ class _Model:
         self.constants, self.readers, residual = _classify_nodes(self.g)
         self.residual_bytes = 2.0 * _numel(residual)
         self.heads_ok = tp == 1 or (ir.num_heads % tp == 0 and (ir.num_kv_heads or ir.num_heads) % tp == 0)
-        self.heads = {ir.num_heads, ir.num_kv_heads or ir.num_heads}
+        # this block's heads as its attention ops run them (a Swin stage has its own), else the model's
+        attention = [d for _, d in self.g.nodes(data=True) if d["kind"] == "attention" and len(d["shape"]) == 4]
+        self.heads = {d["shape"][-3] for d in attention} | {d.get("kv_heads") or d["shape"][-3] for d in attention}
+        self.heads = self.heads or {ir.num_heads, ir.num_kv_heads or ir.num_heads}
         feats = {op.fqn: op for op in layer.linears}
         self.nodes = [n for n in self.g.nodes if n not in self.constants]
         self.strategies: dict[str, list[Strategy]] = {}

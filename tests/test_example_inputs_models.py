@@ -206,3 +206,14 @@ def test_root_parameters_are_found_and_interleaving_them_under_data_parallelism_
     with pytest.raises(Infeasible, match="cls lies outside every layer"):
         make_plan(spec, ir, PlanRequest(num_gpus=4, global_batch=8, dp=2, **pins))
     assert make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=8, dp=1, **pins)).plan.layout.vpp == 2
+
+
+def test_context_parallelism_is_not_planned_for_cross_or_unrecognised_masked_attention() -> None:
+    """T5 (a relative-position bias built for the whole sequence, cross-attention) failed under mlm-run at cp 2
+    ("The size of tensor a (16) must match the size of tensor b (8)"); such attention is named and cp refused."""
+    from mlm.planner.errors import Infeasible
+
+    spec = _spec("hf_t5.py")
+    ir = capture(spec, seq_len=16)
+    with pytest.raises(Infeasible, match="attention, which mlm-run's context parallelism cannot split"):
+        make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=4, cp=2))

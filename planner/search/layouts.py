@@ -728,6 +728,13 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
             f"vpp {layout.vpp}: {roots[0]} lies outside every layer, and mlm-run does not keep the copies of such a "
             f"parameter on two stages of one rank under a data-parallel wrapper"
         )
+    unsplittable = [k for k in getattr(ir, "attention_kinds", ()) if k == "cross" or k.startswith("masked")]
+    if layout.cp > 1 and unsplittable:
+        return (
+            f"cp {layout.cp}: the model has {unsplittable[0]} attention, which mlm-run's context parallelism cannot "
+            f"split (it splits one sequence's queries and keys alike; a mask or bias built for the whole sequence, or "
+            f"keys from another sequence, do not follow)"
+        )
     if layout.cp > 1 and not getattr(ir, "token_inputs", True):
         return f"cp {layout.cp}: the model's inputs are not token sequences that context parallelism can split"
     if layout.pp > 1 and layout.num_microbatches < layout.pp:

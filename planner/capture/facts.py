@@ -366,7 +366,13 @@ def _hidden(
     stream = max(entering, key=lambda a: val(a).numel())  # type: ignore[union-attr]
     t = val(stream)
     assert t is not None
+    if t.dim() == 4 and {op_name(n) for n in members} & _CHANNELS_FIRST:  # a conv block's (N, C, H, W) input
+        return int(t.shape[1]), f"the channels of {first_block}'s input, shape {tuple(t.shape)}"
     return int(t.shape[-1]), f"the input of {first_block}, shape {tuple(t.shape)}"
+
+
+# ops that read dimension 1 of a 4-d tensor as channels: a block that runs them takes (N, C, H, W)
+_CHANNELS_FIRST = frozenset({"convolution", "conv2d", "group_norm", "native_group_norm", "batch_norm"})
 
 
 def _numel(t: torch.Tensor | None) -> int:

@@ -577,6 +577,15 @@ def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None
     finally:
         for h in handles:
             h.remove()
+    if len(plan.stages) > 1:  # and the activations carried past the boundary (stages.carry_plan), after them
+        from mlm.runtime.model_build import record_layer_calls
+        from mlm.runtime.stages import carry_plan
+
+        calls = record_layer_calls(spec, plan, plan.layout.micro_batch)
+        for s, carried in enumerate(carry_plan(plan, calls)):
+            for layer, i in carried:
+                leaf = pytree.tree_leaves(calls[layer].output, is_leaf=lambda x: isinstance(x, TensorSpec))[i]
+                found.setdefault(s, []).append(TensorSpec(tuple(leaf.shape), dtype or leaf.dtype))
     lay = plan.layout
     seq = plan.training.seq_len
     if lay.cp > 1:  # a cp rank sends (and receives) its part of the sequence (runtime/context_parallel.py)

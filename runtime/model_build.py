@@ -55,6 +55,10 @@ class LayerCall:
     # FQN -> the first call's (args, kwargs) of each module inside the layer that holds a linear directly, tensors
     # as TensorSpec (tensor parallelism checks an attention / MLP region by calling it so, tensor_parallel.py)
     inner: dict[str, Any] = field(default_factory=dict)
+    # (layer, output leaf) of the activations of other layers that this call's arguments are computed from through
+    # root-level code (a U-Net's up block reads a down block's output): pipeline stages carry them (stages.py)
+    reads: frozenset[tuple[str, int]] = frozenset()
+    out_activations: tuple[int, ...] = ()  # indices of the output's pytree leaves that are activations
 
 
 def load_checked_spec(plan: Plan) -> ModelSpec:
@@ -155,24 +159,35 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
                     inner[name] = pytree.tree_map(_call_spec, (args, kwargs))
 
             handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    tracker = _OriginTracker()
+    reads: dict[str, frozenset[tuple[str, int]]] = {}
     for fqn in layers:
         module = model.get_submodule(fqn)
+        free = next(module.parameters(), None) is None  # runs on every stage: its ops pass tags on (stages.py)
 
-        def pre(_m: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn) -> None:
+        def pre(_m: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn, free: bool = free) -> None:
+            tracker.depth += not free
             if fqn in pending or fqn in calls:
                 return
             leaves = pytree.tree_leaves((args, kwargs))
             grads = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
             pending[fqn] = grads, tuple(_static_shape(x) for x in leaves)
+            reads[fqn] = frozenset().union(*(_origins(x) for x in leaves))
             order.append(fqn)
 
-        def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn) -> None:
+        def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn, free: bool = free) -> None:
+            tracker.depth -= not free
+            leaves = pytree.tree_leaves(out)
+            acts = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
+            if not free:
+                for i in acts:
+                    _tag(leaves[i], frozenset({(fqn, i)}), replace_tags=True)
             if fqn in calls:
                 return
             spec_out = pytree.tree_map(
                 lambda x: TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out
             )
-            calls[fqn] = LayerCall(fqn, pending[fqn][0], spec_out, pending[fqn][1])
+            calls[fqn] = LayerCall(fqn, pending[fqn][0], spec_out, pending[fqn][1], out_activations=acts)
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))
@@ -185,8 +200,9 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         # a ShapeEnv lets data-dependent sizes (torch.where in a hand-written MoE's dispatch) be symbols
-        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
-            TrainingModule(model, spec.loss_fn)(inputs, targets)
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()), tracker:
+            loss = TrainingModule(model, spec.loss_fn)(inputs, targets)
+        reads[LOSS_LAYER] = _origins(loss)
     except Exception as e:  # user model code on meta tensors
         raise ModelLoadError(
             f"the training step does not run on the meta device: {type(e).__name__}: "
@@ -202,8 +218,9 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         )
     for fqn in calls:
         mine = {k: v for k, v in inner.items() if k.startswith(fqn + ".")}
-        calls[fqn] = replace(calls[fqn], inner=mine)
-    missing = [f for f in layers if f not in calls]
+        calls[fqn] = replace(calls[fqn], inner=mine, reads=reads.get(fqn, frozenset()))
+    calls[LOSS_LAYER] = LayerCall(LOSS_LAYER, (), None, reads=reads.get(LOSS_LAYER, frozenset()))
+    missing = [f for f in layers if f not in calls]  # (calls also holds the loss's reads, under LOSS_LAYER)
     if missing:
         raise PlanFileError(f"plan.json: stages list layer(s) the forward never calls: {', '.join(missing[:3])}")
     if order != layers:
@@ -213,6 +230,38 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             f"model calls {order[first_bad]} but the plan has {layers[first_bad]}"
         )
     return calls
+
+
+ORIGINS_ATTR = "_mlm_origins"  # set on tensors during record_layer_calls: the (layer, leaf) outputs they derive from
+
+
+def _origins(x: Any) -> frozenset[tuple[str, int]]:
+    return getattr(x, ORIGINS_ATTR, frozenset()) if isinstance(x, torch.Tensor) else frozenset()
+
+
+def _tag(t: Any, tags: frozenset[tuple[str, int]], replace_tags: bool = False) -> None:
+    if isinstance(t, torch.Tensor):
+        setattr(t, ORIGINS_ATTR, tags if replace_tags else _origins(t) | tags)
+
+
+class _OriginTracker(TorchDispatchMode):
+    """While record_layer_calls runs the step: every op outside the plan's parameter-holding layers (root-level code,
+    parameter-free layers) tags its outputs with the union of its inputs' tags, so each layer's arguments tell
+    which earlier layers' activations they are computed from. Inside a layer nothing is tagged; its outputs are
+    tagged (layer, leaf) when it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # > 0 inside a parameter-holding plan layer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.depth == 0:
+            tags = frozenset().union(*(_origins(x) for x in pytree.tree_leaves((args, kwargs))))
+            if tags:
+                for t in pytree.tree_leaves(out):
+                    _tag(t, tags)
+        return out
 
 
 def _is_activation(x: Any) -> bool:

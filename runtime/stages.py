@@ -116,10 +116,20 @@ class Placeholder(nn.Module):
     module does not register (no parameters). Calling one of the original's submodules (a DiT's head calls the
     first block's timestep embedder) would compute another stage's layer here: that fails with one line."""
 
-    def __init__(self, fqn: str, output: Any, device: torch.device, original: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        fqn: str,
+        output: Any,
+        device: torch.device,
+        original: nn.Module | None = None,
+        carried: dict[tuple[str, int], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.fqn, self.output, self.device = fqn, output, device
         object.__setattr__(self, "_original", original)  # not a submodule: its parameters stay off this stage
+        # the stage's received copies of other stages' outputs (StageModule.carried), (layer, leaf) -> tensor: the
+        # leaves this stage needs are real, the others phantoms
+        object.__setattr__(self, "_carried", carried if carried is not None else {})
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -131,10 +141,17 @@ class Placeholder(nn.Module):
             return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return pytree.tree_map(
-            lambda s: make_phantom(s.shape, s.dtype, self.device, self.fqn) if isinstance(s, TensorSpec) else s,
-            self.output,
-        )
+        leaves, spec = pytree.tree_flatten(self.output, is_leaf=lambda x: isinstance(x, TensorSpec))
+        carried = self.__dict__["_carried"]
+        out = [
+            carried[(self.fqn, i)]
+            if (self.fqn, i) in carried
+            else make_phantom(x.shape, x.dtype, self.device, self.fqn)
+            if isinstance(x, TensorSpec)
+            else x
+            for i, x in enumerate(leaves)
+        ]
+        return pytree.tree_unflatten(out, spec)
 
     def extra_repr(self) -> str:
         return f"{self.fqn} (on another stage)"
@@ -217,6 +234,9 @@ class StageModule(nn.Module):
         recv_layer: str | None,
         recv_leaves: tuple[int, ...],
         context: Callable[[], Any] | None = None,
+        carry_in: tuple[tuple[str, int], ...] = (),
+        carry_out: tuple[tuple[str, int], ...] = (),
+        carried: dict[tuple[str, int], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -224,6 +244,13 @@ class StageModule(nn.Module):
         self.send_leaves, self.recv_leaves = send_leaves, recv_leaves
         self.context = context
         self._received: tuple[torch.Tensor, ...] | None = None
+        # outputs of earlier stages' layers that this stage (or a later one) reads past the boundary (carry_plan):
+        # received after the boundary's tensors, in carry_in order; carry_out is sent after the boundary's
+        self.carry_in, self.carry_out = carry_in, carry_out
+        self.carried: dict[tuple[str, int], torch.Tensor] = carried if carried is not None else {}
+        self._produced: dict[tuple[str, int], torch.Tensor] = {}
+        for fqn in dict.fromkeys(layer for layer, _ in carry_out if layer in layers):
+            inner.model.get_submodule(fqn).register_forward_hook(partial(self._produce, fqn))
         if recv_layer is not None:
             inner.model.get_submodule(recv_layer).register_forward_pre_hook(
                 self._inject, with_kwargs=True, prepend=True
@@ -237,14 +264,17 @@ class StageModule(nn.Module):
         return self.index == self.num_stages - 1
 
     def forward(self, *received: torch.Tensor, inputs: Any, targets: torch.Tensor) -> Any:
+        self._produced.clear()
+        self.carried.clear()
         if self.index > 0:
-            if len(received) != len(self.recv_leaves):
-                raise RuntimeError(
-                    f"stage {self.index} received {len(received)} tensors, expected {len(self.recv_leaves)}"
-                )
+            expected = len(self.recv_leaves) + len(self.carry_in)
+            if len(received) != expected:
+                raise RuntimeError(f"stage {self.index} received {len(received)} tensors, expected {expected}")
             # the gradients sent back: with row-major strides too (a permute's backward gives the received
             # activation a permuted gradient, and the previous stage receives into a buffer of those strides)
-            self._received = tuple(_StandardGradStrides.apply(x) if x.requires_grad else x for x in received)
+            received = tuple(_StandardGradStrides.apply(x) if x.requires_grad else x for x in received)
+            self._received = received[: len(self.recv_leaves)]
+            self.carried.update(zip(self.carry_in, received[len(self.recv_leaves) :]))
         device = next((t.device for t in (*received, targets) if isinstance(t, torch.Tensor)), torch.device("cpu"))
         try:
             with contextlib.ExitStack() as stack:
@@ -256,17 +286,27 @@ class StageModule(nn.Module):
         except StopStage as stop:
             leaves = pytree.tree_leaves((stop.args, stop.kwargs))
             sent = tuple(leaves[i] for i in self.send_leaves)
+            sent += tuple(self._produced[k] if k in self._produced else self.carried[k] for k in self.carry_out)
             for x in sent:
                 if phantom_of(x) is not None:
                     raise PlanFileError(_skip_message(self.layers[-1], "the next stage", phantom_of(x))) from None
             return tuple(_standard_strides(_to_local(x)) for x in sent)
         finally:
             self._received = None
+            self._produced.clear()
+            self.carried.clear()
         if not self.is_last:
             raise RuntimeError(f"stage {self.index} finished the forward without reaching the next stage")
         if phantom_of(loss) is not None:
             raise PlanFileError(_skip_message("the loss", "this stage", phantom_of(loss)))
         return loss.reshape(1)  # shape (1,): pipeline schedules concatenate the last stage's outputs
+
+    def _produce(self, fqn: str, _module: nn.Module, _args: tuple, out: Any) -> None:
+        """Keep this forward's output leaves of an own layer that a later stage reads (the first call's)."""
+        leaves = pytree.tree_leaves(out)
+        for layer, i in self.carry_out:
+            if layer == fqn and (layer, i) not in self._produced:
+                self._produced[(layer, i)] = leaves[i]
 
     def _inject(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._received is None:  # a later call of the same module: nothing to swap
@@ -337,19 +377,42 @@ def stage_ranks(plan: Plan) -> list[int]:
 
 
 def check_stage_boundaries(plan: Plan, calls: dict[str, LayerCall]) -> None:
-    """Each stage but the first starts at a layer that receives at least one activation; "loss" is last."""
+    """Each stage but the first receives at least one activation (its first layer's inputs, or activations carried
+    past the boundary: a decoder stage after an encoder starts at the decoder's embedding); "loss" is last."""
+    carry = carry_plan(plan, calls)
     for i, stage in enumerate(plan.stages):
         layers = [x for x in stage.layers if x != LOSS_LAYER]
         if LOSS_LAYER in stage.layers and (i != len(plan.stages) - 1 or stage.layers[-1] != LOSS_LAYER):
             raise PlanFileError(f'plan.json: stages[{i}] holds "loss"; it must be the last entry of the last stage')
         if not layers:
             raise PlanFileError(f"plan.json: stages[{i}] holds no layer (the loss must share a stage with the head)")
-        if i > 0 and not calls[layers[0]].grad_leaves:
+        if i > 0 and not calls[layers[0]].grad_leaves and not carry[i]:
             raise PlanFileError(
                 f"plan.json: stages[{i}] starts at {layers[0]}, which receives no activation from the previous stage"
             )
     if LOSS_LAYER not in plan.stages[-1].layers:
         raise PlanFileError('plan.json: the last stage must end with the pseudo-layer "loss"')
+
+
+def carry_plan(plan: Plan, calls: dict[str, LayerCall]) -> list[tuple[tuple[str, int], ...]]:
+    """For each stage, the (layer, output leaf) activations of earlier stages' layers it receives besides the next
+    layer's inputs: those that its layers other than the first (whose inputs arrive as the boundary), its loss, or
+    the inputs it sends on read through root-level code (record_layer_calls' `reads`: a U-Net's skips, T5's encoder
+    output), and those a later stage needs, which it passes on. Stage 0 receives nothing."""
+    stage_of = {f: i for i, st in enumerate(plan.stages) for f in st.layers if f != LOSS_LAYER}
+    position = {f: i for i, f in enumerate(plan_layers(plan))}
+    firsts = [next(x for x in st.layers if x != LOSS_LAYER) for st in plan.stages]
+    carry: list[tuple[tuple[str, int], ...]] = [()] * len(plan.stages)
+    later: set[tuple[str, int]] = set()
+    for s in reversed(range(1, len(plan.stages))):
+        readers = [f for f in plan.stages[s].layers if f != firsts[s]]
+        if s + 1 < len(plan.stages):
+            readers.append(firsts[s + 1])
+        wanted = {k for f in readers if f in calls for k in calls[f].reads} | later
+        mine = {k for k in wanted if stage_of.get(k[0], s) < s and k[1] in calls[k[0]].out_activations}
+        carry[s] = tuple(sorted(mine, key=lambda k: (position[k[0]], k[1])))
+        later = mine
+    return carry
 
 
 def build_stage(
@@ -360,9 +423,13 @@ def build_stage(
     calls: dict[str, LayerCall],
     device: torch.device,
     context: Callable[[], Any] | None = None,
+    carry: list[tuple[tuple[str, int], ...]] | None = None,
 ) -> StageModule:
-    """The StageModule for stage `index`, sharing this stage's layer modules with `model` (see module doc)."""
+    """The StageModule for stage `index`, sharing this stage's layer modules with `model` (see module doc);
+    `carry`: carry_plan(plan, calls), computed once for all stages."""
     stages = plan.stages
+    carry = carry if carry is not None else carry_plan(plan, calls)
+    carried: dict[tuple[str, int], torch.Tensor] = {}
     own = [x for x in stages[index].layers if x != LOSS_LAYER]
     all_layers = plan_layers(plan)
     next_first = None
@@ -374,13 +441,28 @@ def build_stage(
             continue
         original = model.get_submodule(fqn)
         replacements[fqn] = (
-            Boundary(fqn, original) if fqn == next_first else Placeholder(fqn, calls[fqn].output, device, original)
+            Boundary(fqn, original)
+            if fqn == next_first
+            else Placeholder(fqn, calls[fqn].output, device, original, carried)
         )
     stage_model = _replace_modules(model, replacements)
     send = calls[next_first].grad_leaves if next_first is not None else ()
     recv_layer = own[0] if index > 0 else None
     recv = calls[own[0]].grad_leaves if index > 0 else ()
-    return StageModule(TrainingModule(stage_model, loss_fn), index, len(stages), own, send, recv_layer, recv, context)
+    carry_out = carry[index + 1] if index + 1 < len(stages) else ()
+    return StageModule(
+        TrainingModule(stage_model, loss_fn),
+        index,
+        len(stages),
+        own,
+        send,
+        recv_layer,
+        recv,
+        context,
+        carry[index],
+        carry_out,
+        carried,
+    )
 
 
 def _parameter_free(module: nn.Module) -> bool:

@@ -56,7 +56,16 @@ from mlm.runtime.optim import (
     sync_tied_grads,
 )
 from mlm.runtime.recompute import apply_recompute
-from mlm.runtime.stages import StageModule, build_stage, check_stage_boundaries, original_fqn, stage_ranks
+from mlm.runtime.stages import (
+    Boundary,
+    Placeholder,
+    StageModule,
+    build_stage,
+    carry_plan,
+    check_stage_boundaries,
+    original_fqn,
+    stage_ranks,
+)
 from mlm.runtime.tensor_parallel import apply_tensor_parallel, check_tp_map, gather_full, sequence_parallel_start
 
 
@@ -226,8 +235,9 @@ def _build_runtime(
         experts = ExpertParallel(info.ep_rank, info.ep_size, info.ep_group)
         owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
         shard_experts(model, find_banks(model, owned), experts)
+    carry = carry_plan(plan, calls)  # activations that skip over stage boundaries (stages.py)
     for i in mine:
-        stage = build_stage(model, loss_fn, plan, i, calls, device)
+        stage = build_stage(model, loss_fn, plan, i, calls, device, carry=carry)
         if context is not None:
             context.shard_targets(stage.inner, first_cp_layer)
         if stage.is_last:
@@ -266,7 +276,9 @@ def _build_runtime(
     del model, meta  # other stages' layers are freed; this rank keeps only its own
     dropout = DropoutSeeds(opts.seed, info.data_rank, lay.num_microbatches, device)
     for st in stages:
-        dropout.attach(st, [(f, st.inner.model.get_submodule(f)) for f in st.layers])
+        # its own layers and the parameter-free ones every stage runs (T5's encoder.dropout, on a carried input)
+        runs = [(f, st.inner.model.get_submodule(f)) for f in plan_layers(plan)]
+        dropout.attach(st, [(f, m) for f, m in runs if f in st.layers or not isinstance(m, (Placeholder, Boundary))])
     params = _unique_params(stages)
     optimizer = build_optimizer(params, opts.optimizer, opts.lr)
     paused = tuple(c for c in (tokens, dropout, experts, context) if c is not None)

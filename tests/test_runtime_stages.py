@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import instantiate
 from mlm.planner.capture.training_step import TrainingModule
-from mlm.planner.errors import PlanFileError
 from mlm.runtime.model_build import TensorSpec, load_checked_spec, record_layer_calls
 from mlm.runtime.stages import Boundary, Placeholder, StageModule, build_stage
 
@@ -126,15 +125,20 @@ def test_later_stage_allocates_nothing_of_other_stages_layer_size(kind: str) -> 
     assert record.after_bytes > smallest  # the stage's own layers did run
 
 
-def test_skip_connection_across_stages_fails_naming_the_layer() -> None:
+def test_a_connection_that_skips_over_a_stage_boundary_is_carried() -> None:
+    """A root-level residual from the embedding to the head: the first stage sends the embedding's output beside the
+    last block's input (stages.carry_plan, from the origins record_layer_calls tracks), the second stage's
+    placeholder for `emb` returns it, and the chained stages compute the single model's loss."""
     args = dict(vocab_size=64, dim=32, n_layer=4)
     plan = make_plan("gpt", pp=2, micro_batch=2, num_microbatches=2, model_file=SKIP_FILE, args=args)
     plan.stages[0].layers[:] = ["emb", "blocks.0", "blocks.1"]
     plan.stages[1].layers[:] = ["blocks.2", "blocks.3", "head", "loss"]
     for st in plan.stages:
         st.recompute_layers[:] = []
-    _model, _calls, stages = _stages(plan, 2)
+    model, calls, stages = _stages(plan, 2)
+    assert calls["head"].reads == frozenset({("emb", 0), ("blocks.3", 0)})
+    assert (stages[1].carry_in, stages[0].carry_out) == ((("emb", 0),), (("emb", 0),))
     inputs, targets = _batch(2)
-    sent = stages[0](inputs=inputs, targets=targets)
-    with pytest.raises(PlanFileError, match=r"^head \(on this stage\) reads the output of emb"):
-        stages[1](*sent, inputs=inputs, targets=targets)
+    assert len(stages[0](inputs=inputs, targets=targets)) == 2  # blocks.2's input, then emb's output
+    want = TrainingModule(model, None)(inputs, targets)
+    assert torch.equal(_chain(stages, inputs, targets), want.reshape(()))

@@ -168,8 +168,11 @@ class ModelIR:
     # False when the inputs are not token sequences that --seq-len shapes (images, latents): seq_len is then the
     # tokens a sample's attention runs over, or 1, and throughput is reported per sample
     token_inputs: bool = True
-    # connections that skip over a block ("up_blocks.1 reads the output of time_embedding"): no pipeline stages
+    # connections that skip over a block ("up_blocks.1 reads the output of time_embedding"): carried by the stages
     pipeline_skips: tuple[str, ...] = ()
+    # per sample, the most bytes such connections carry across one block boundary beside the block's input (what
+    # mlm-run's pipeline stages send on for them; priced with every boundary's activation)
+    carried_bytes: float = 0.0
     # "<module> of <block>": a block's submodule that the model also calls outside the block (a DiT's head calls
     # its first block's timestep embedder): FSDP gathers a block's weights only around the block's own call
     reused_modules: tuple[str, ...] = ()

@@ -129,6 +129,13 @@ def capture(
             f"compute every (query, key) block under a mask, and it is priced so (is_causal=True instead of the mask "
             f"would skip the blocks above the diagonal)"
         )
+    if found.pipeline_skips:
+        more = f" (and {len(found.pipeline_skips) - 1} more)" if len(found.pipeline_skips) > 1 else ""
+        notes.append(
+            f"{found.pipeline_skips[0]}{more}: connections that skip over blocks; pipeline stages carry them beside "
+            f"the next block's input, priced at up to {found.carried_bytes / 2**20:.2f} MiB per sample on every stage "
+            f"boundary"
+        )
     if found.reused_modules:
         notes.append(
             f"{_first(list(found.reused_modules))} is also called outside that block: its work there is priced with "
@@ -160,6 +167,7 @@ def capture(
         compute_bytes=torch_dtype.itemsize,
         token_inputs=token_inputs,
         pipeline_skips=found.pipeline_skips,
+        carried_bytes=found.carried_bytes,
         reused_modules=found.reused_modules,
         root_params=found.root_params,
     )
@@ -672,7 +680,8 @@ def build_layers(
     read |= {p for site in moe.values() for p in site.expert_params}  # priced analytically
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     weights = {n for n, name in params.items() if _strip_root(name) in names}  # not buffers (rotary inv_freq)
-    skips = pipeline_skips(graph, calls, owner, weights, [layer.name for layer in layers if layer.kind == "block"])
+    blocks = [layer.name for layer in layers if layer.kind == "block"]
+    skips, carried = pipeline_skips(graph, calls, owner, weights, blocks, {x.name: x.output_bytes for x in layers})
     inside = {id(p) for name in order if name in modules for p in modules[name].parameters()}
     roots = tuple(name for name, p in model.named_parameters() if id(p) not in inside)
     containers = tuple(g.fqn for g in groups)
@@ -681,6 +690,7 @@ def build_layers(
         found,
         unused_params=unused_parameters(model, read),
         pipeline_skips=skips,
+        carried_bytes=carried,
         reused_modules=reused,
         root_params=roots,
     )
@@ -707,12 +717,14 @@ def pipeline_skips(
     owner: dict[torch.fx.Node, str],
     weights: set[torch.fx.Node],
     blocks: list[str],
-) -> tuple[str, ...]:
+    output_bytes: dict[str, float],
+) -> tuple[tuple[str, ...], float]:
     """Connections that skip over a block: a layer reading a value computed from the weights (an activation) by a
     layer with a block between them, as a U-Net's up blocks read its down blocks and time embedding, or T5's
-    decoder reads its encoder. mlm-run's pipeline stages pass on only the inputs of the next stage's first layer,
-    so a model with such a connection runs only without pipeline parallelism. Values computed from the batch and
-    buffers alone (position ids, rotary tables, masks) are recomputed by every stage and do not count."""
+    decoder reads its encoder; and the most bytes per sample that such connections carry across one block
+    boundary (the producing layers' outputs, as mlm-run's stages carry them beside the next block's input,
+    runtime/stages.py carry_plan). Values computed from the batch and buffers alone (position ids, rotary tables,
+    masks) are recomputed by every stage and do not count."""
     weighted: set[torch.fx.Node] = set()
     for n in graph.nodes:
         if n in weights or any(a in weighted for a in _inputs(n)):
@@ -729,7 +741,8 @@ def pipeline_skips(
                 continue
             if any(pos[source] < b < pos[reader] for b in block_pos):
                 found[(reader, source)] = None
-    return tuple(f"{reader} reads the output of {source}" for reader, source in found)
+    crossing = [sum(output_bytes.get(s, 0.0) for s in {s for r, s in found if pos[s] < b < pos[r]}) for b in block_pos]
+    return tuple(f"{reader} reads the output of {source}" for reader, source in found), max(crossing, default=0.0)
 
 
 def _expert_ops(

@@ -55,8 +55,10 @@ class CollectiveCount:
 
 def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
     """What one tp rank sends across a pipeline boundary per micro-batch: its sequence shard under sequence
-    parallelism, else the whole (replicated) activation (also the size of each pipeline receive buffer)."""
-    return layout.micro_batch * inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+    parallelism, else the whole (replicated) activation (also the size of each pipeline receive buffer), and the
+    activations that skip over blocks (a U-Net's), carried beside it (the most any boundary carries)."""
+    block = inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
+    return layout.micro_batch * (block + inputs.carried_bytes)
 
 
 def sp_norm_reductions(layout: Layout, zero3_reduce_every_microbatch: bool) -> int:

@@ -126,6 +126,8 @@ class ModelCostInputs:
     # bytes per element of the compute dtype (bf16 2; 4 where mlm-run computes in fp32): the weights' compute copy
     # and FSDP's parameter all-gathers (ModelIR.compute_bytes; the activations were captured in it)
     compute_bytes: float = 2.0
+    # per sample: activations that skip over blocks, carried across a stage boundary beside the block output
+    carried_bytes: float = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -205,6 +207,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         block_costs=tuple(costs),
         active_params=_active_params(ir),
         compute_bytes=float(ir.compute_bytes),
+        carried_bytes=float(ir.carried_bytes),
     )
 
 

@@ -711,13 +711,12 @@ def layout_problem(ir: ModelIR, layout: Layout, global_batch: int) -> str | None
             return f"tp {layout.tp} does not divide the {what} ({size})"
     if layout.pp * layout.vpp > ir.num_layers:
         return f"pp·vpp = {layout.pp * layout.vpp} exceeds the {ir.num_layers} blocks"
-    skips = getattr(ir, "pipeline_skips", ())
-    if layout.pp > 1 and skips:
-        return (
-            f"pp {layout.pp}: {skips[0]}{f' (and {len(skips) - 1} more)' if len(skips) > 1 else ''}, a connection "
-            f"that skips over blocks, which mlm-run's pipeline stages do not carry"
-        )
     reused = getattr(ir, "reused_modules", ())
+    if layout.pp > 1 and reused:
+        return (
+            f"pp {layout.pp}: the model calls {reused[0]} outside that block, and a pipeline stage holds only its own "
+            f"blocks' modules"
+        )
     if layout.zero == 3 and layout.dp * layout.cp > 1 and reused:
         return (
             f"zero 3: the model calls {reused[0]} outside that block, where FSDP's per-block gather does not cover it"

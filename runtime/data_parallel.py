@@ -111,13 +111,21 @@ def apply_data_parallel(
         # even when it is one rank (ep = dp·cp), a call that moves nothing (collective_counts counts it)
         for bank in expert_banks[0]:
             wrap(bank, mesh=expert_banks[1], mp_policy=mp)
-    shared = _params_shared_between(layer_modules)
+    shared = _params_shared_between(layer_modules) | _params_also_outside(stage, layer_modules)
     for module in layer_modules:  # one group per layer: its reduction starts as its backward ends
         params = list(module.parameters())
         if params and not any(id(p) in shared for p in params):
             wrap(module, mesh=dp_mesh, mp_policy=mp)
     wrap(stage, mesh=dp_mesh, mp_policy=mp)
     return stage
+
+
+def _params_also_outside(stage: nn.Module, modules: list[nn.Module]) -> set[int]:
+    """Parameters of the layers that a module outside them also holds (T5's `shared` embedding, the alias of
+    decoder.embed_tokens and lm_head): the root group manages that module, so they stay there too."""
+    inside = {id(m) for layer in modules for m in layer.modules()}
+    mine = {id(p) for layer in modules for p in layer.parameters()}
+    return {id(p) for m in stage.modules() if id(m) not in inside for p in m._parameters.values() if id(p) in mine}
 
 
 def _params_shared_between(modules: list[nn.Module]) -> set[int]:

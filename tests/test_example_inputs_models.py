@@ -70,10 +70,10 @@ def test_diffusers_models_params_and_flops(name: str, tokens: int) -> None:
     assert captured == pytest.approx(counter.get_total_flops(), rel=0.01)
 
 
-def _fp32_plan(name: str, dp: int, tp: int, pp: int):
+def _fp32_plan(name: str, dp: int, tp: int, pp: int, zero: int = 0):
     spec = _spec(name)
     ir = capture(spec, seq_len=16)
-    pins = dict(tp=tp, pp=pp, dp=dp, micro_batch=1, vpp=1, recompute="none", sequence_parallel=False, zero=0)
+    pins = dict(tp=tp, pp=pp, dp=dp, micro_batch=1, vpp=1, recompute="none", sequence_parallel=False, zero=zero)
     plan = make_plan(spec, ir, PlanRequest(num_gpus=dp * tp * pp, global_batch=4, **pins)).plan
     return dataclasses.replace(plan, training=dataclasses.replace(plan.training, dtype="fp32"))
 
@@ -123,6 +123,20 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
     split = run_workers(2, _losses, [(_fp32_plan(name, *layout), adamw) for name, *layout in cases])[0]
     for case, want, got in zip(cases, reference, split, strict=True):
         assert len(got) == 3 and got == pytest.approx(want, abs=2e-5), case
+
+
+def test_t5_pipeline_by_data_parallel_under_zero_keeps_its_tied_embedding_in_one_group() -> None:
+    """T5's embedding is one tensor under four names (shared, encoder / decoder embed_tokens, lm_head): on the
+    decoder's stage FSDP2 refused lm_head as its own group while the root group held `shared` ("shared with a
+    parameter already managed by another FSDP group"). pp2·dp2 ZeRO-1, 4 processes, against one process."""
+    from test_runtime_harness import run_workers
+
+    from mlm.runtime.train import RunOptions
+
+    adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
+    want = run_workers(1, _losses, [(_fp32_plan("hf_t5.py", 1, 1, 1), adamw)])[0][0]
+    got = run_workers(4, _losses, [(_fp32_plan("hf_t5.py", 2, 1, 2, zero=1), adamw)])[0][0]
+    assert got == pytest.approx(want, abs=2e-5)
 
 
 def test_example_batches_are_one_device_rows_split_over_data_parallel_ranks() -> None:

@@ -17,13 +17,17 @@ the model in which
   runs without allocating or computing either. Ops on real tensors only (position ids, masks) run as usual;
 - the first layer of the next stage is a `Boundary` that stops the forward by raising `StopStage` with its
   arguments; the stage sends the arguments that are activations (floating tensors with gradients);
-- on the next stage a pre-hook on its first layer swaps those argument leaves for the received tensors.
+- on the next stage a pre-hook on its first layer swaps those argument leaves for the received tensors;
+- connections that skip over a boundary (a root-level residual from the embedding to the head, a U-Net's skips, an
+  encoder's output read by every decoder layer) are carried: `carry_plan` lists, for each stage, the earlier
+  layers' output activations that it or a later stage reads through root-level code (model_build records where
+  each layer's arguments come from); a stage sends them after the boundary's arguments, passing on what it
+  received for later stages, and the Placeholders of those layers return the received tensors.
 
-A phantom reaching one of the stage's own layers (after the received activations are swapped in), the tensors
-sent to the next stage, or the loss means the model has a connection that skips over a stage boundary (e.g. a
-root-level residual from the embedding to the head): the stage fails with one line naming the layer that reads
-it and the other stage's layer it comes from. Tied weights need nothing special: the owning layer holds the
-parameter on its stage, and optim.py keeps the copies on different stages equal.
+A phantom still reaching one of the stage's own layers, the tensors sent to the next stage, or the loss (a value
+the record did not trace, such as an integer tensor computed on another stage) fails with one line naming the layer
+that reads it and the other stage's layer it comes from. Tied weights need nothing special: the owning layer holds
+the parameter on its stage, and optim.py keeps the copies on different stages equal.
 """
 
 from __future__ import annotations

@@ -112,7 +112,23 @@ def _to_meta(x: Any) -> Any:
     return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
 
 
-class Placeholder(nn.Module):
+class _StandIn(nn.Module):
+    """A module standing in for another stage's layer `fqn`: attribute reads fall through to the layer's meta-device
+    original (`_original`, not registered as a submodule, so its parameters stay off this stage)."""
+
+    fqn: str
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None:
+                raise
+            return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
+
+
+class Placeholder(_StandIn):
     """Stands in for a layer that lives on another stage: holds nothing, returns phantoms of the recorded shapes.
 
     Root-level code may read the layer's attributes (HF ViT reads its patch projection's weight dtype, a diffusers
@@ -134,15 +150,6 @@ class Placeholder(nn.Module):
         # the stage's received copies of other stages' outputs (StageModule.carried), (layer, leaf) -> tensor: the
         # leaves this stage needs are real, the others phantoms
         object.__setattr__(self, "_carried", carried if carried is not None else {})
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            original = self.__dict__.get("_original")
-            if original is None:
-                raise
-            return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten(self.output, is_leaf=lambda x: isinstance(x, TensorSpec))
@@ -193,7 +200,7 @@ class _Elsewhere:
         )
 
 
-class Boundary(nn.Module):
+class Boundary(_StandIn):
     """The next stage's first layer: stops this stage's forward and hands over its call arguments (its attributes
     are read on its meta-device original, as Placeholder's are)."""
 
@@ -201,15 +208,6 @@ class Boundary(nn.Module):
         super().__init__()
         self.fqn = fqn
         object.__setattr__(self, "_original", original)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            original = self.__dict__.get("_original")
-            if original is None:
-                raise
-            return _elsewhere(getattr(original, name), f"{self.fqn}.{name}", self.fqn)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise StopStage(args, kwargs)

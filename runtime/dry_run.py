@@ -542,50 +542,26 @@ def _compute_dtype(plan: Plan, opts: Any) -> torch.dtype:
     return compute_dtype(plan, opts, torch.device("cpu"))
 
 
-def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype | None = None) -> dict[int, list[TensorSpec]]:
-    """Stage index -> the activations it receives for one micro-batch (the floating tensors with gradients among
-    its first layer's call arguments), from one training step on the meta device; in `dtype` when given (the
-    compute dtype: the meta model runs in fp32, a bf16 stage sends bf16)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+def boundary_specs(spec: ModelSpec, plan: Plan, dtype: torch.dtype) -> dict[int, list[TensorSpec]]:
+    """Stage index -> the activations it receives for one micro-batch, in `dtype` (the compute dtype: the meta model
+    runs in fp32, a bf16 stage sends bf16): the floating tensors with gradients among its first layer's call
+    arguments, then the activations carried past the boundary (stages.carry_plan), as model_build.record_layer_calls
+    records them in one training step on fake tensors."""
+    from mlm.runtime.model_build import record_layer_calls
+    from mlm.runtime.stages import carry_plan
 
-    from mlm.planner.capture.loader import for_training, instantiate
-    from mlm.planner.capture.training_step import TrainingModule
-    from mlm.runtime.model_build import meta_batch
-
-    # the training program on fake tensors, as model_build.record_layer_calls runs it (transformers' mask code
-    # branches on values that plain meta tensors do not have)
-    model = for_training(instantiate(spec, "meta"), cpu=True, experts="batched_mm")
-    firsts = {_first_layer(plan, s): s for s in range(1, len(plan.stages))}
     found: dict[int, list[TensorSpec]] = {}
-    handles = []
-    for fqn, stage in firsts.items():
-
-        def pre(_m: Any, args: tuple, kwargs: dict, stage: int = stage) -> None:
-            if stage not in found:
-                found[stage] = [
-                    TensorSpec(tuple(x.shape), dtype or x.dtype)
-                    for x in pytree.tree_leaves((args, kwargs))
-                    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
-                ]
-
-        handles.append(model.get_submodule(fqn).register_forward_pre_hook(pre, with_kwargs=True))
-    inputs, targets = meta_batch(spec, model, plan, plan.layout.micro_batch)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
-            TrainingModule(model, spec.loss_fn)(inputs, targets)
-    finally:
-        for h in handles:
-            h.remove()
-    if len(plan.stages) > 1:  # and the activations carried past the boundary (stages.carry_plan), after them
-        from mlm.runtime.model_build import record_layer_calls
-        from mlm.runtime.stages import carry_plan
-
-        calls = record_layer_calls(spec, plan, plan.layout.micro_batch)
-        for s, carried in enumerate(carry_plan(plan, calls)):
-            for layer, i in carried:
-                leaf = pytree.tree_leaves(calls[layer].output, is_leaf=lambda x: isinstance(x, TensorSpec))[i]
-                found.setdefault(s, []).append(TensorSpec(tuple(leaf.shape), dtype or leaf.dtype))
+    if len(plan.stages) == 1:
+        return found
+    calls = record_layer_calls(spec, plan, plan.layout.micro_batch)
+    for s, carried in enumerate(carry_plan(plan, calls)):
+        if s == 0:
+            continue
+        first = calls[_first_layer(plan, s)]
+        found[s] = [TensorSpec(first.leaf_shapes[i], dtype) for i in first.grad_leaves]  # type: ignore[arg-type]
+        for layer, i in carried:
+            leaf = pytree.tree_leaves(calls[layer].output, is_leaf=lambda x: isinstance(x, TensorSpec))[i]
+            found[s].append(TensorSpec(tuple(leaf.shape), dtype))
     lay = plan.layout
     seq = plan.training.seq_len
     if lay.cp > 1:  # a cp rank sends (and receives) its part of the sequence (runtime/context_parallel.py)

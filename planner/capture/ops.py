@@ -4,7 +4,7 @@ Works on both graphs the capture produces: torch.export's aten ops (aten.linear.
 torch-level calls (F.linear, operator.add, Tensor.view): both are looked up by the op's base name. For each op we
 derive forward FLOPs, the bytes a memory-bound kernel moves, and which inputs autograd saves for backward (the
 activation-memory model). The saved-tensor rules follow the derivative formulas in PyTorch's derivatives.yaml:
-a matmul saves both operands, a product the other factor, softmax its output, GELU/SiLU their input, layer_norm
+a matmul saves both operands, a product the other factor, softmax and ReLU their output, GELU/SiLU their input, layer_norm
 its input (plus per-row statistics), dropout its mask (1 byte per element), add and views nothing.
 """
 
@@ -96,7 +96,6 @@ SAVES_INPUT = frozenset(
     {
         "gelu",
         "silu",
-        "relu",
         "pow",
         "sin",
         "cos",
@@ -111,7 +110,9 @@ SAVES_INPUT = frozenset(
         "erf",
     }
 )
-SAVES_OUTPUT = frozenset({"tanh", "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal"})
+# relu's backward reads its result (torch's derivatives.yaml: threshold_backward(grad, result, 0)), so relu(x)**2
+# saves one tensor, shared with the square
+SAVES_OUTPUT = frozenset({"relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "reciprocal"})
 SAVES_BOTH = frozenset({"mul", "div", "maximum", "minimum", "outer"})  # each operand's grad needs the other
 SAVES_MASK = frozenset({"masked_fill", "where"})  # only the boolean condition is needed
 LOSS_OPS = frozenset(

@@ -185,6 +185,7 @@ MEGATRON_CORE = CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, 
     pipeline_buffers_every_microbatch=False,
     cp_overlap=1.0,
     fused_loss_backward=True,
+    zero1_gathers_every_microbatch=False,  # the distributed optimizer all-gathers the parameters once per step
 )
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream

@@ -164,6 +164,10 @@ class CostOptions:
     loss_bytes: bytes per element of the logits the loss computes on, hence of the log-probabilities it saves and
         of its backward's temporaries: mlm-run upcasts to fp32 (4); 2 for a loss on the bf16 logits (NeMo
         AutoModel's MaskedCrossEntropy with fp32_upcast off, as its benchmark recipes set it).
+    zero1_gathers_every_microbatch: under ZeRO-1 without pipelining the parameters are all-gathered for every
+        micro-batch's forward (mlm-run: FSDP2 without resharding after forward reshards after each backward, as
+        `mlm-run --dry-run` counts); False: once per step, after the optimizer (Megatron-Core's distributed
+        optimizer, which keeps the whole bf16 parameters between steps).
     cp_overlap: fraction of the layer's attention compute that hides context parallelism's K/V exchange (0 in
         mlm-run, which all-gathers K/V before the attention; Megatron-Core's ring attention, cp_comm_type p2p,
         sends the next chunk's K/V while the current one's attention runs, so up to all of it).
@@ -180,6 +184,7 @@ class CostOptions:
     grad_buffer_bytes: float = GRAD_BYTES
     fused_loss_backward: bool = False
     loss_bytes: float = 4.0
+    zero1_gathers_every_microbatch: bool = True
 
 
 def with_loss_bytes(inputs: ModelCostInputs, loss_bytes: float) -> ModelCostInputs:
@@ -851,7 +856,8 @@ def _dp_rank_time(
     # zero 1, and zero 3 under pipelining (FSDP2 without resharding after forward): the gradients are
     # reduce-scattered once per step; the parameters gathered for every micro-batch's forward without pipelining
     # (FSDP2 reshards after each backward), once per step with it (the pipeline keeps them between micro-batches)
-    gathers = 1 if layout.pp > 1 else m
+    # or where the runtime's distributed optimizer keeps them (CostOptions.zero1_gathers_every_microbatch)
+    gathers = m if layout.pp == 1 and options.zero1_gathers_every_microbatch else 1
     rs = sum(reduce_scatter_s(grb * p, n, link) for p, n, link in groups)
     ag = sum(gathers * all_gather_s(inputs.compute_bytes * p, n, link) for p, n, link in groups)
     if o <= 0:

@@ -146,6 +146,21 @@ def test_dp_comm_grows_with_params_and_shrinks_with_overlap(small, hw):
     assert evaluate(small, replace(layout, dp=1, num_microbatches=128), *hw).breakdown["dp_comm_s"] == 0.0
 
 
+def test_zero1_parameter_gathers_follow_the_runtime(small, hw):
+    """ZeRO-1 without pipelining, nothing overlapped: mlm-run (FSDP2, resharded after each backward) all-gathers the
+    parameters for every micro-batch, so the exposed dp time grows with the micro-batch count by one all-gather per
+    extra micro-batch; Megatron-Core's distributed optimizer gathers once per step, whatever the count."""
+    gpu, cluster = hw
+    layout = Layout(tp=1, pp=1, dp=16, micro_batch=1, num_microbatches=2, recompute="full", zero=1)
+    more = replace(layout, num_microbatches=8)
+    per_mb, per_step = (CostOptions(dp_overlap=0.0, zero1_gathers_every_microbatch=v) for v in (True, False))
+    dp = {o: [evaluate(small, lo, gpu, cluster, options=o).breakdown["dp_comm_s"] for lo in (layout, more)]
+          for o in (per_mb, per_step)}  # fmt: skip
+    assert dp[per_step][0] == pytest.approx(dp[per_step][1], rel=1e-12)
+    gather = dp[per_mb][0] - dp[per_step][0]  # one extra gather at 2 micro-batches
+    assert gather > 0 and dp[per_mb][1] - dp[per_step][1] == pytest.approx(7 * gather, rel=1e-6)
+
+
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_a_cluster_that_cannot_overlap_exposes_what_the_runtime_would_hide(small, hw, zero):
     """A cluster whose collectives take their time from the compute (collective_overlap_efficiency 0, what

@@ -4,8 +4,8 @@ Works on both graphs the capture produces: torch.export's aten ops (aten.linear.
 torch-level calls (F.linear, operator.add, Tensor.view): both are looked up by the op's base name. For each op we
 derive forward FLOPs, the bytes a memory-bound kernel moves, and which inputs autograd saves for backward (the
 activation-memory model). The saved-tensor rules follow the derivative formulas in PyTorch's derivatives.yaml:
-a matmul saves both operands, a product the other factor, softmax and ReLU their output, GELU/SiLU their input, layer_norm
-its input (plus per-row statistics), dropout its mask (1 byte per element), add and views nothing.
+a matmul saves both operands, a product the other factor, softmax and ReLU their output, GELU/SiLU their input,
+layer_norm its input (plus per-row statistics), dropout its mask (1 byte per element), add and views nothing.
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             handles.append(module.register_forward_pre_hook(lambda _m, _a, fqn=fqn: strays.append(fqn)))
     inner: dict[str, Any] = {}
     for name, module in model.named_modules():
-        if any(_holds_linear(c) for c in module.children()):
+        if name and any(_holds_linear(c) for c in module.modules() if c is not module):  # a region may nest them
 
             def record(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
                 if name not in inner:

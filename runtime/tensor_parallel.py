@@ -267,11 +267,7 @@ def find_regions(
     model: nn.Module, concrete: dict[str, str], tp: int, num_heads: int | None, calls: dict[str, Any] | None = None
 ) -> list[Region]:
     """The regions of the model with their per-rank settings; settings are shared by modules of one shape."""
-    by_parent: dict[str, tuple[list[str], list[str]]] = {}
-    for name, style in concrete.items():
-        if style in ("colwise", "rowwise") and is_linear(model.get_submodule(name)):
-            parent = name.rpartition(".")[0]
-            by_parent.setdefault(parent, ([], []))[0 if style == "colwise" else 1].append(name)
+    by_parent = _region_parents(model, concrete)
     regions = []
     cache: dict[Any, Region | None] = {}
     for parent, (col, row) in by_parent.items():
@@ -303,6 +299,34 @@ def find_regions(
             )
         )
     return regions
+
+
+def _region_parents(model: nn.Module, concrete: dict[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Colwise and rowwise linears grouped by the module that runs them together: each linear's lowest ancestor
+    that holds linears of both styles and is called (not a ModuleList / ModuleDict): GPT's attn for c_attn and c_proj,
+    diffusers' FeedForward for net.0.proj (inside its GEGLU) and net.2. "" (the root) when none holds both."""
+    styled = {n: s for n, s in concrete.items() if s in ("colwise", "rowwise") and is_linear(model.get_submodule(n))}
+
+    def ancestors(name: str) -> list[str]:
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+    kinds: dict[str, set[str]] = {}
+    for name, style in styled.items():
+        for a in ancestors(name):
+            kinds.setdefault(a, set()).add(style)
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    for name, style in styled.items():
+        parent = next(
+            (
+                a
+                for a in ancestors(name)
+                if len(kinds[a]) == 2 and not isinstance(model.get_submodule(a), (nn.ModuleList, nn.ModuleDict))
+            ),
+            "",
+        )
+        out.setdefault(parent, ([], []))[0 if style == "colwise" else 1].append(name)
+    return out
 
 
 def _is_block(model: nn.Module, fqn: str) -> bool:

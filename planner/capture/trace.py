@@ -1151,6 +1151,9 @@ def _op_graph(
             weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
             params=tuple((_strip_root(params[a]), _numel(a)) for a in _inputs(n) if a in params),
             reads_input=_reads_outside(n, costs, member, inert),
+            # every operand from outside the layer is a model input (T5's or a U-Net's encoder states): no gradient
+            # flows back through it, so a column-parallel linear reading it needs no backward all-reduce
+            grad_free_input=_reads_only_model_inputs(n, member, params),
             constant=n in inert,
             saved=saved.get(n.name, 0.0),
             kv_heads=_key_heads(n) if c.kind == "attention" else 0,
@@ -1164,6 +1167,11 @@ def _op_graph(
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)
     return g
+
+
+def _reads_only_model_inputs(n: torch.fx.Node, member: set[torch.fx.Node], params: dict[torch.fx.Node, str]) -> bool:
+    outside = [_base(a) for a in _inputs(n) if a not in member and a not in params and val(a) is not None]
+    return bool(outside) and all(a.op == "placeholder" and a not in params for a in outside)
 
 
 def _numel(n: torch.fx.Node) -> int:

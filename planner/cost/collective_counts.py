@@ -186,13 +186,13 @@ def rank_collectives(
             block = k - (1 if i == 0 else 0)
             is_block = 0 <= block < n
             recompute = layout.recompute if is_block and block < recomputed else "none"
-            _tp(out, inputs.block if is_block else layer, layout, m, recompute)
-            _cp(out, inputs.block if is_block else layer, layout, m, recompute)
+            _tp(out, layer, layout, m, recompute)
+            _cp(out, layer, layout, m, recompute)
             _ep(out, layer, layout, m, recompute)
             expert_units += layer.moe_layer_count if layout.ep > 1 else 0
             if layout.tp > 1 and layout.sequence_parallel:
-                sp_tensors += (inputs.block if is_block else layer).sp_param_count
-                sp_elems += (inputs.block if is_block else layer).sp_param_elems
+                sp_tensors += layer.sp_param_count
+                sp_elems += layer.sp_param_elems
         held = [local_params(layer, layout.tp) for layer in layers]
         params += sum(held)
         if layout.ep > 1:  # the routed experts: 1/ep of them here, reduced over the ranks holding the same ones

@@ -170,18 +170,21 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
     first = ir.layers.index(blocks[0])
     last = ir.layers.index(blocks[-1])
     costs: list[LayerCost] = []
+
+    def own(layer: LayerIR) -> Mapping[str, str] | None:  # every layer the ILP split, blocks or not (a U-Net's)
+        return tp_states.get(layer.name) if tp_states else None
+
     for layer in ir.layers[first : last + 1]:
-        states = tp_states.get(layer.name) if tp_states and layer.kind == "block" else None
-        cost = _layer_cost(layer, ir, states, sequence_parallel)
+        cost = _layer_cost(layer, ir, own(layer), sequence_parallel)
         if layer.kind == "block":
             costs.append(cost)
         else:  # between two stacks (an encoder's final norm): run with the block before it
             merged = _merge([costs[-1], cost])
             costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
-    pre = _merge([_layer_cost(x, ir) for x in ir.layers[:first]])
+    pre = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[:first]])
     pre = replace(pre, sp_gather_bytes=ir.layers[first - 1].output_bytes if first > 0 else 0.0)
-    post = _merge([_layer_cost(x, ir) for x in ir.layers[last + 1 :] if x.kind != "block"])
+    post = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[last + 1 :] if x.kind != "block"])
     head = [
         op.in_features * op.out_features
         for layer in ir.layers[last + 1 :]
@@ -212,11 +215,11 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
 
 
 def with_tp_styles(inputs: ModelCostInputs, ir: ModelIR, tp: int, sp: bool, states: TPStates) -> ModelCostInputs:
-    """`inputs` that also know how the tensor-parallel sharding ILP split the blocks at (tp, sp): `states` as
-    TPSharding.states. Where every block op's state is what Megatron's rule gives, nothing is added (the same
+    """`inputs` that also know how the tensor-parallel sharding ILP split the layers at (tp, sp): `states` as
+    TPSharding.states. Where every layer op's state is what Megatron's rule gives, nothing is added (the same
     numbers); else the blocks are priced from the ILP's states (a replicated MLP computes whole, or on SP's shard,
     issues no tp collective and all-reduces its weight gradients under SP), and for_tp(…, tp, sp) returns them."""
-    if tp == 1 or all(_same_as_megatron(layer, states.get(layer.name)) for layer in ir.blocks):
+    if tp == 1 or all(_same_as_megatron(layer, states.get(layer.name)) for layer in ir.layers):
         return inputs
     variant = replace(summarize(ir, states, sp), tp_variants=())
     kept = tuple(v for v in inputs.tp_variants if v[0] != (tp, sp))
@@ -305,7 +308,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     fixed = (0, 0.0)
     if kind == "embedding":  # the vocabulary-parallel lookup's all-reduce (a replicated output, with or without SP)
         fixed, fwd = fwd, (0, 0.0)
-    if kind == "loss":
+    if kind == "loss" and _vocabulary_head(ir):  # loss_parallel over the vocabulary-parallel logits
         fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
     sp_count, sp_elems = _sequence_parallel_params(layer, tags)
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
@@ -366,6 +369,17 @@ def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
         return total
     head_dim = ir.head_dim or ir.hidden_size // max(ir.num_heads, 1)
     return len(layer.attention) * ir.compute_bytes * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
+
+
+def _vocabulary_head(ir: ModelIR) -> bool:
+    """Whether a head projects onto the vocabulary (priced vocabulary-parallel under tp; the loss then runs on the
+    sharded logits). A U-Net's or a regression model's loss has no such head and reduces nothing over tp."""
+    return bool(ir.vocab_size) and any(
+        op.kind == "linear" and op.out_features == ir.vocab_size
+        for layer in ir.layers
+        if layer.kind == "head"
+        for op in layer.linears
+    )
 
 
 def _linears(
@@ -441,6 +455,8 @@ def _block_splits(
             continue
         splits.append("col")
         preds = tuple(sorted(g.predecessors(n)))
+        if not preds and d.get("grad_free_input"):  # reads a model input: no input gradient to all-reduce
+            continue
         if preds not in seen:
             seen.add(preds)
             inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)

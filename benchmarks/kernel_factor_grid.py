@@ -1,0 +1,58 @@
+"""Does one source want a different attention-kernel efficiency than GEMM efficiency? A diagnostic for the
+calibration (docs/calibration.md), not a fit that any profile uses.
+
+For the rows of one measurement file, scale the GPU profile's prior GEMM curve by g and its prior attention curve by
+a separately, over a grid, and print the pairs that fit the file's train rows best with the held-out error at each.
+The profile fit (benchmarks/fit_profiles.py) uses one factor for both; a stack whose attention kernel differs from
+the prior's FlashAttention-2 (cuDNN fused attention in NeMo's TransformerEngine) wants them apart.
+
+    python benchmarks/kernel_factor_grid.py dgxc_benchmarking_h100.csv [--gemm 0.8,0.85,...] [--attention 0.72,1,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from mlm.planner.cost.calibration import RowEvaluator, read_measurements, scaled_profile, table_path
+from mlm.planner.cost.hardware import GPUProfile, load_gpu
+
+
+def profile(gpu: GPUProfile, gemm: float, attention: float) -> GPUProfile:
+    cal = gpu.calibration
+    assert cal is not None
+    return replace(
+        gpu,
+        gemm_curve=replace(gpu.gemm_curve, fractions=tuple(min(1.0, f * gemm) for f in cal.prior_gemm_fractions)),
+        attention_curve=replace(
+            gpu.attention_curve, fractions=tuple(min(1.0, f * attention) for f in cal.prior_attention_fractions)
+        ),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file", help="a CSV in profiles/calibration/")
+    ap.add_argument("--gemm", default="0.7,0.75,0.8,0.85,0.9,0.95,1.0,1.05,1.1")
+    ap.add_argument("--attention", default="0.72,1.0,1.3,1.6,2.0")
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    rows = read_measurements(table_path(args.file))
+    gpu = load_gpu(rows[0].gpu)
+    evaluator = RowEvaluator(rows, scaled_profile(gpu, gpu.calibration.compute_factor if gpu.calibration else 1.0))
+    results = []
+    for g in (float(x) for x in args.gemm.split(",")):
+        for a in (float(x) for x in args.attention.split(",")):
+            preds = evaluator.predict(profile(gpu, g, a))
+            train = [abs(p.error) for p in preds if p.measurement.split == "train"]
+            test = [abs(p.error) for p in preds if p.measurement.split == "test"]
+            if train and test:
+                results.append((sum(train) / len(train), g, a, sum(test) / len(test), max(test)))
+    print(f"{args.file} on {gpu.name}: prior curves x (gemm factor, attention factor), best train fits first")
+    for train, g, a, mean, worst in sorted(results)[: args.top]:
+        print(f"  gemm {g:.3f}  attention {a:.3f}  train mean {100 * train:5.1f}%  test mean {100 * mean:5.1f}%"
+              f"  worst {100 * worst:5.1f}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,9 @@ class LayerCall:
     # root-level code (a U-Net's up block reads a down block's output): pipeline stages carry them (stages.py)
     reads: frozenset[tuple[str, int]] = frozenset()
     out_activations: tuple[int, ...] = ()  # indices of the output's pytree leaves that are activations
+    # linears inside the layer whose output the model then modifies in place (Falcon adds the attention output into
+    # the MLP's with +=): under tensor parallelism their rowwise output is a fresh tensor, not DTensor's local view
+    modified_in_place: frozenset[str] = frozenset()
 
 
 def load_checked_spec(plan: Plan) -> ModelSpec:
@@ -152,6 +155,13 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             handles.append(module.register_forward_pre_hook(lambda _m, _a, fqn=fqn: strays.append(fqn)))
     inner: dict[str, Any] = {}
     for name, module in model.named_modules():
+        if _holds_linear(module):
+
+            def mark(_m: nn.Module, _args: tuple, out: Any, name: str = name) -> None:
+                if isinstance(out, torch.Tensor):
+                    setattr(out, LINEAR_OUTPUT_ATTR, name)
+
+            handles.append(module.register_forward_hook(mark))
         if name and any(_holds_linear(c) for c in module.modules() if c is not module):  # a region may nest them
 
             def record(_m: nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
@@ -218,7 +228,8 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         )
     for fqn in calls:
         mine = {k: v for k, v in inner.items() if k.startswith(fqn + ".")}
-        calls[fqn] = replace(calls[fqn], inner=mine, reads=reads.get(fqn, frozenset()))
+        changed = frozenset(k for k in tracker.modified_in_place if k.startswith(fqn + "."))
+        calls[fqn] = replace(calls[fqn], inner=mine, reads=reads.get(fqn, frozenset()), modified_in_place=changed)
     calls[LOSS_LAYER] = LayerCall(LOSS_LAYER, (), None, reads=reads.get(LOSS_LAYER, frozenset()))
     missing = [f for f in layers if f not in calls]  # (calls also holds the loss's reads, under LOSS_LAYER)
     if missing:
@@ -232,6 +243,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     return calls
 
 
+LINEAR_OUTPUT_ATTR = "_mlm_linear_output"  # set on a linear's output during record_layer_calls: the linear's FQN
 ORIGINS_ATTR = "_mlm_origins"  # set on tensors during record_layer_calls: the (layer, leaf) outputs they derive from
 
 
@@ -253,8 +265,14 @@ class _OriginTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.depth = 0  # > 0 inside a parameter-holding plan layer
+        self.modified_in_place: set[str] = set()  # linears whose output an in-place op then writes (LayerCall)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        schema = getattr(func, "_schema", None)
+        if schema is not None and schema.arguments and args and isinstance(args[0], torch.Tensor):
+            alias = schema.arguments[0].alias_info
+            if alias is not None and alias.is_write and (name := getattr(args[0], LINEAR_OUTPUT_ATTR, None)):
+                self.modified_in_place.add(name)
         out = func(*args, **(kwargs or {}))
         if self.depth == 0:
             tags = frozenset().union(*(_origins(x) for x in pytree.tree_leaves((args, kwargs))))

@@ -125,7 +125,10 @@ def style_for(
     if style == "replicate" or (style == "sequence" and not sequence_parallel):
         return None
     if style == "sequence":
-        return SequenceParallel(sequence_dim=SEQ_DIM)
+        # a norm inside a block hands on its local shard, as a region's output is, for the block's code to mix with
+        # the (local) residual (Gemma's post-norms); a norm layer of its own (a final norm) a DTensor, whose global
+        # shape the root code after it may read (HF GPT-2 views the output to (-1, seq, hidden))
+        return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=not whole_sequence)
     if style == "vocab" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding(Replicate())
     if style in ("colwise", "vocab"):
@@ -150,13 +153,16 @@ def apply_tensor_parallel(
     num_heads: int | None = None,
     layers: Collection[str] = (),
     calls: dict[str, Any] | None = None,
+    modified_in_place: Collection[str] = (),
 ) -> bool:
     """Parallelize the modules of `model` (one stage's copy) in place; returns whether a vocabulary-parallel head
     is present (then the loss must run under loss_parallel()). `num_heads` (plan.model.num_heads), when given, is
     checked against the heads the attention calls see; `layers`: the plan's layer FQNs (a replicated linear that
     is one, an output head, computes the whole sequence under sequence parallelism, style_for); `calls`: FQN -> the
     recorded (args, kwargs) of the modules that may be regions (model_build.LayerCall.inner), so that the region
-    check calls each as the model does (Hugging Face attention takes position embeddings and a mask by keyword)."""
+    check calls each as the model does (Hugging Face attention takes position embeddings and a mask by keyword);
+    `modified_in_place`: linears whose output the model modifies in place (LayerCall.modified_in_place): a rowwise
+    one returns a copy of DTensor's local view, which autograd forbids writing to (one extra copy of the output)."""
     names = [n for n, _ in model.named_modules() if n]
     concrete = expand_tp_map(tp_map, names)
     concrete = {n: s for n, s in concrete.items() if not isinstance(model.get_submodule(n), _FOREIGN)}
@@ -180,12 +186,19 @@ def apply_tensor_parallel(
             vocab_head = True
     if plan:
         parallelize_module(model, mesh, plan)
+    for name in modified_in_place:
+        if concrete.get(name) == "rowwise":
+            model.get_submodule(name).register_forward_hook(_fresh_output)
     for region in regions:
         region.install(model, mesh, seq)
     _retie(model, ties, set(concrete))
     if sequence_parallel and sequence_start is not None:
         _scatter_sequence(model, sequence_start, mesh)
     return vocab_head
+
+
+def _fresh_output(_m: nn.Module, _args: tuple, out: Any) -> Any:
+    return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else out
 
 
 # ------------------------------------------------------------------------------------------------------ regions
@@ -512,6 +525,9 @@ def settle_region(
     widths = {features(module.get_submodule(n))[1] for n in col} | {features(module.get_submodule(n))[0] for n in row}
     widths |= {w // splits.get(n, 1) for n in col for w in [features(module.get_submodule(n))[1]]}
     values = set(heads) | widths | {width}
+    # a key/value head count divides the query heads; the model may repeat K/V to the query heads before the
+    # attention call (Falcon), so the call does not show it
+    values |= {v for _, v in _int_attrs(module) if heads and 1 < v < heads[0] and heads[0] % v == 0}
     cands = [k for k, v in _int_attrs(module) if v in values and v % tp == 0]
     original = dict(_int_attrs(module))
     proxies = [None] + ([width // tp] if width % tp == 0 else [])
@@ -888,8 +904,23 @@ class VocabParallelEmbedding(ParallelStyle):
             raise PlanFileError(f"plan.json: a {module.num_embeddings}-row embedding cannot be split over tp")
         w = distribute_tensor(module.weight, device_mesh, [Shard(0)])
         module.register_parameter("weight", nn.Parameter(w, requires_grad=module.weight.requires_grad))
-        module.forward = partial(_vocab_parallel_lookup, module, device_mesh, self.output_layout)  # type: ignore[method-assign]
+        if type(module).forward is nn.Embedding.forward:
+            module.forward = partial(_vocab_parallel_lookup, module, device_mesh, self.output_layout)  # type: ignore[method-assign]
+            return module
+        # a subclass with a forward of its own (Gemma scales the lookup by sqrt(hidden)) keeps it: its
+        # super().forward reaches the vocabulary-parallel lookup, placed between it and nn.Embedding in the MRO
+        module._mlm_vocab_parallel = (device_mesh, self.output_layout)  # type: ignore[assignment]
+        cls = type(module)
+        module.__class__ = type(cls.__name__, (cls, _VocabParallelLookup), {})
         return module
+
+
+class _VocabParallelLookup(nn.Embedding):
+    """nn.Embedding.forward replaced by the vocabulary-parallel lookup (see VocabParallelEmbedding)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        mesh, layout = self._mlm_vocab_parallel
+        return _vocab_parallel_lookup(self, mesh, layout, input)
 
 
 def _vocab_parallel_lookup(module: nn.Embedding, mesh: DeviceMesh, output_layout: Placement, ids: Any) -> Any:

@@ -251,6 +251,7 @@ def _build_runtime(
                 seq_start,
                 layers=plan_layers(plan),
                 calls={k: v for c in calls.values() for k, v in c.inner.items()},
+                modified_in_place={f for c in calls.values() for f in c.modified_in_place},
             )
         for fqn in plan.stages[i].recompute_layers:
             if fqn != LOSS_LAYER:

@@ -144,7 +144,10 @@ def test_zoo_subset_trains_what_one_process_trains() -> None:
     (fused QKV, partial rotary) and Phi-3 (fused qkv_proj and gate_up_proj) at pp2 — the rotary table each HF
     decoder computes once in its root runs on both stages — and Qwen2 with transformers' default use_cache=True at
     tp2 (its KV-cache update crashed on tensor-parallel tensors before the runtime turned the cache off for
-    training) against one process, 3 steps, SGD and AdamW."""
+    training), and Gemma 2 at tp2, whose embedding subclass scales the lookup by sqrt(hidden) (the vocabulary-parallel
+    lookup replaced that forward and dropped the scale: first loss 4.8498 against 4.8505) against one process, 3
+    steps, SGD and AdamW. Falcon's linears compute x @ W.T, which capture now reads as linears, so its heads are
+    split (they were priced and run replicated)."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -152,8 +155,23 @@ def test_zoo_subset_trains_what_one_process_trains() -> None:
     sgd = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
     adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
     cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 1, 2, adamw)]
-    cases.append(("qwen2+cache", 2, 1, sgd))
+    cases += [("qwen2+cache", 2, 1, sgd), ("gemma2", 2, 1, adamw)]
     reference = run_workers(1, _losses, [(_fp32_plan(f, 1, 1), o) for f, _, _, o in cases])[0]
     split = run_workers(2, _losses, [(_fp32_plan(f, tp, pp), o) for f, tp, pp, o in cases])[0]
     for (family, *_), want, got in zip(cases, reference, split, strict=True):
         assert len(got) == 3 and got == pytest.approx(want, abs=1e-5), family
+
+
+def test_a_linear_written_as_a_matmul_with_the_transposed_weight_is_a_linear() -> None:
+    """Falcon's FalconLinear (an nn.Linear) computes input @ self.weight.T: capture reads each as a linear of the
+    weight's shape (priced at the GEMM rate, split by the tp ILP) instead of a matmul priced with attention."""
+    spec = _spec("falcon")
+    ir = capture(spec, seq_len=SEQ)
+    block = ir.blocks[0]
+    qkv = next(op for op in block.linears if op.fqn.endswith("query_key_value"))
+    assert (qkv.in_features, qkv.out_features) == (zoo.HIDDEN, (zoo.HEADS + 2 * zoo.KV_HEADS) * zoo.HIDDEN // zoo.HEADS)
+    assert len([op for op in block.linears if op.kind == "linear"]) == 4
+    from mlm.planner.search.tp_sharding import plan_tensor_parallel
+
+    styles = plan_tensor_parallel(ir, 2).styles
+    assert styles[qkv.fqn] == "colwise" and styles[qkv.fqn.replace("query_key_value", "dense")] == "rowwise"

@@ -55,6 +55,8 @@ VIEW_OPS = frozenset(
         "view_as",
         "expand_as",
         "movedim",
+        "numpy_T",  # x @ W.T (Falcon's FalconLinear, nn.Linear written as a matmul)
+        "mT",
         "_assert_tensor_metadata",
         "lift_fresh_copy",
         "dropout_noop",
@@ -211,6 +213,16 @@ def _flat(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
+def param_view(a: torch.fx.Node, is_param: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """The parameter `a` is, or is a view of (W.T: a matmul that reads a weight through a transpose is a linear)."""
+    while a not in is_param and a.op in ("call_function", "call_method") and op_name(a) in VIEW_OPS:
+        inputs = tensor_args(a)
+        if len(inputs) != 1:
+            return None
+        a = inputs[0]
+    return a if a in is_param else None
+
+
 def classify(node: torch.fx.Node, is_param: set[torch.fx.Node]) -> OpCost:
     """Cost of one call node; `is_param` holds the nodes that are parameters or buffers (never 'activations')."""
     name = op_name(node)
@@ -234,7 +246,7 @@ def classify(node: torch.fx.Node, is_param: set[torch.fx.Node]) -> OpCost:
         lse = batch_heads * lq * 4.0  # float32 log-sum-exp per query row, kept by flash/efficient kernels
         return OpCost("attention", flops, in_bytes + out_bytes, tuple(acts[:3]) + (node,), lse)
     if name in MATMUL_OPS:
-        params = [a for a in args if a in is_param]
+        params = [a for a in args if param_view(a, is_param) is not None]
         k = _contracted_dim(name, node, args)
         flops = 2.0 * (out.numel() if out is not None else 0) * k
         if params and name != "baddbmm":

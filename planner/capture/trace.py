@@ -40,7 +40,7 @@ from mlm.planner.capture.graph import Activations, BlockKind, LayerIR, LinearOp,
 from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate
 from mlm.planner.capture.moe import MoESite, clean_path, find_moe, top_k_from_graph
-from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, tensor_args, val
+from mlm.planner.capture.ops import OpCost, classify, nbytes, op_name, param_view, tensor_args, val
 from mlm.planner.capture.training_step import TrainingModule, default_batch, example_batch
 from mlm.planner.errors import ModelLoadError, TraceError
 
@@ -659,10 +659,14 @@ def build_layers(
     sites = {fqn: top_k_from_graph(site, calls, f"{ROOT}.{fqn}" if fqn else ROOT) for fqn, site in moe.items()}
     dropped = _expert_ops(calls, params, sites)
     inert = is_param | (set(calls) - dependent) | dropped
+    parameter_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    trainable = {n for n, name in params.items() if _strip_root(name) in parameter_names}  # not buffers
     layers = []
     for name in order:
         nodes = [n for n in calls if owner[n] == name and n not in dropped]
-        layer = _layer_ir(name, nodes, owner, costs, tags, params, inert, layer_params.get(name, 0), groups, seq)
+        layer = _layer_ir(
+            name, nodes, owner, costs, tags, params, inert, layer_params.get(name, 0), groups, seq, trainable
+        )
         module = modules.get(name)
         layer = replace(layer, module_type=type(module).__name__ if module is not None else "")
         for fqn, site in sites.items():
@@ -908,6 +912,8 @@ _ALIASING = frozenset(
         "view_as",
         "expand_as",
         "movedim",
+        "numpy_T",
+        "mT",
     }
 )
 
@@ -947,6 +953,7 @@ def _layer_ir(
     num_params: int,
     groups: list[BlockGroup],
     seq: int,
+    trainable: set[torch.fx.Node] | None = None,
 ) -> LayerIR:
     flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0, "full": 0.0}
     moved = 0.0
@@ -1015,7 +1022,7 @@ def _layer_ir(
         output_bytes=sum(nbytes(val(o)) for o in outputs),
         linears=tuple(linears),
         block_group=group.fqn if group is not None else None,
-        ops=_op_graph(nodes, costs, params, is_param, per_node),
+        ops=_op_graph(nodes, costs, params, is_param, per_node, trainable),
     )
 
 
@@ -1046,13 +1053,15 @@ def _param_module(param_fqn: str) -> str:
 
 def _linear_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
     args = [a for a in _inputs(n) if val(a) is not None]
-    weight = next(a for a in args if a in params and val(a) is not None and val(a).dim() == 2)
-    w = val(weight)
+    operand = next(a for a in args if param_view(a, set(params)) is not None and val(a).dim() == 2)
+    weight = param_view(operand, set(params))
+    assert weight is not None
+    w = val(operand)  # as the op reads it (W.T for x @ W.T)
     assert w is not None
     module = _module_of(n) or _param_module(params[weight])
     if op_name(n) == "linear":
         out_f, in_f = w.shape
-    else:  # mm / addmm / matmul(x, W) as in HF's Conv1D: W is (in, out)
+    else:  # mm / addmm / matmul(x, W) as in HF's Conv1D (W is (in, out)), or matmul(x, W.T) as in Falcon
         in_f, out_f = w.shape
     has_bias = op_name(n) in ("addmm",) or (op_name(n) == "linear" and len(args) > 2)
     out = val(n)
@@ -1122,6 +1131,7 @@ def _op_graph(
     params: dict[torch.fx.Node, str],
     inert: set[torch.fx.Node],
     saved: dict[str, float] | None = None,
+    trainable: set[torch.fx.Node] | None = None,
 ) -> nx.DiGraph:
     """Dataflow between the layer's compute ops (views folded away): what the tensor-parallel ILP works on.
 
@@ -1148,8 +1158,12 @@ def _op_graph(
             flops=c.flops,
             shape=tuple(t.shape) if t is not None else (),
             bytes=nbytes(t),
-            weight=next((_strip_root(params[a]) for a in _inputs(n) if a in params), None),
-            params=tuple((_strip_root(params[a]), _numel(a)) for a in _inputs(n) if a in params),
+            weight=next(
+                (_strip_root(params[w]) for a in _inputs(n) if (w := _param_of(a, params, inert, trainable))), None
+            ),
+            params=tuple(
+                (_strip_root(params[w]), _numel(w)) for a in _inputs(n) if (w := _param_of(a, params, inert, trainable))
+            ),
             reads_input=_reads_outside(n, costs, member, inert),
             # every operand from outside the layer is a model input (T5's or a U-Net's encoder states): no gradient
             # flows back through it, so a column-parallel linear reading it needs no backward all-reduce
@@ -1167,6 +1181,28 @@ def _op_graph(
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)
     return g
+
+
+def _param_of(
+    a: torch.fx.Node, params: dict[torch.fx.Node, str], inert: set[torch.fx.Node], trainable: set[torch.fx.Node] | None
+) -> torch.fx.Node | None:
+    """The parameter (or buffer) operand `a` is, or the trainable parameter it is computed from by batch-independent
+    ops alone (Gemma's norm scales by `1 + weight` in fp32; rotary tables computed from a buffer do not count)."""
+    if a in params:
+        return a
+    seen: set[torch.fx.Node] = set()
+    todo = list(_inputs(a)) if a in inert and a.op in ("call_function", "call_method") else []
+    while todo:
+        x = todo.pop()
+        if x in params:
+            if trainable is not None and x in trainable:
+                return x
+            continue
+        if x in seen or x not in inert or x.op not in ("call_function", "call_method"):
+            continue
+        seen.add(x)
+        todo.extend(_inputs(x))
+    return None
 
 
 def _reads_only_model_inputs(n: torch.fx.Node, member: set[torch.fx.Node], params: dict[torch.fx.Node, str]) -> bool:

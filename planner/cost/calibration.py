@@ -186,6 +186,7 @@ MEGATRON_CORE = CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, 
     cp_overlap=1.0,
     fused_loss_backward=True,
     zero1_gathers_every_microbatch=False,  # the distributed optimizer all-gathers the parameters once per step
+    recompute_repeats_every_reduction=True,  # tensor_parallel.checkpoint re-runs the layer's whole forward
 )
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream

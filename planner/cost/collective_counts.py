@@ -61,6 +61,20 @@ def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
     return layout.micro_batch * (block + inputs.carried_bytes)
 
 
+def sp_norm_bytes(layout: Layout, compute_bytes: float, grad_reduce_bytes: float, zero3_every: bool) -> float:
+    """Bytes per element of the SP norm gradients' tp all-reduce: the compute dtype when they are reduced inside
+    the backward (ZeRO-3 reducing every micro-batch, or a single micro-batch), else the accumulated gradient's."""
+    zero3 = layout.dp * layout.cp > 1 and layout.zero == 3 and layout.pp == 1 and zero3_every
+    return compute_bytes if zero3 or layout.num_microbatches == 1 else grad_reduce_bytes
+
+
+def recomputed_reductions(layer: LayerCost) -> int:
+    """The forward tp reductions a fully recomputed forward repeats: all but the last, which only feeds the block's
+    output, unless an op after it saves a tensor for backward (LayerCost.tp_recompute_tail_count)."""
+    f = layer.tp_fwd_count
+    return min(f, max(f - 1, 0) + layer.tp_recompute_tail_count)
+
+
 def sp_norm_reductions(layout: Layout, zero3_reduce_every_microbatch: bool) -> int:
     """How often per step each SP norm gradient is all-reduced over tp: with the gradients' reduction, so every
     micro-batch under ZeRO-3 without pipelining (when it reduces every micro-batch), else once."""
@@ -81,8 +95,9 @@ def _tp(out: dict[str, CollectiveCount], layer: LayerCost, layout: Layout, m: in
     # a fully recomputed forward repeats every reduction but the last (torch's non-reentrant checkpoint stops once
     # the backward has what it needs) and, under SP, every gather (planner/cost/tp_collectives.py)
     full = recompute == "full"
-    reductions = f + (max(f - 1, 0) if full else 0) + layer.tp_bwd_count
-    reduced = layer.tp_fwd_bytes + (max(f - 1, 0) * per_call if full else 0.0) + layer.tp_bwd_bytes
+    again = recomputed_reductions(layer) if full else 0
+    reductions = f + again + layer.tp_bwd_count
+    reduced = layer.tp_fwd_bytes + again * per_call + layer.tp_bwd_bytes
     if layout.sequence_parallel:
         gathers = f + (f if full else 0) + layer.tp_bwd_count
         gathered = layer.tp_fwd_bytes * (2 if full else 1) + layer.tp_bwd_bytes
@@ -216,10 +231,10 @@ def rank_collectives(
     if layout.ep > 1 and dp > 1:  # each expert bank its own FSDP unit over expert_dp ranks (runtime/data_parallel.py)
         _dp(out, expert_params, expert_units, layout.expert_dp, layout, wire, replicated_alone=True)
     # SP norm gradients are all-reduced over tp when the gradients are reduced: under ZeRO-3 every micro-batch, on
-    # the unsharded gradient in the compute dtype (before FSDP's reduce-scatter casts it), else once per step
-    zero3 = dp > 1 and layout.zero == 3 and pp == 1
+    # the unsharded gradient in the compute dtype (before FSDP's reduce-scatter casts it), else once per step, in
+    # the compute dtype too when one micro-batch leaves nothing to accumulate (measured: bf16 at m = 1, fp32 at 2)
     sp_times = sp_norm_reductions(layout, zero3_reduce_every_microbatch)
-    sp_bytes = inputs.compute_bytes if zero3 else grad_reduce_bytes
+    sp_bytes = sp_norm_bytes(layout, inputs.compute_bytes, grad_reduce_bytes, zero3_reduce_every_microbatch)
     _add(out, "all_reduce", sp_times * sp_tensors, sp_times * sp_bytes * sp_elems)
     if layout.tp * layout.pp * layout.dp * layout.cp > 1:
         _add(out, "all_reduce", 1, GRAD_NORM_BYTES)  # runtime/optim.py grad_norm: one fp32 scalar, every rank

@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
 
+import networkx as nx
+
 from mlm.planner.capture.graph import Activations, LayerIR, ModelIR, MoEIR
 from mlm.planner.errors import PlanError
 
@@ -80,6 +82,9 @@ class LayerCost:
     # embedding's partial sums (its output is replicated) and loss_parallel's per-token statistics
     tp_fixed_count: int = 0
     tp_fixed_bytes: float = 0.0
+    # 1 when an op after the block's last forward reduction saves a tensor for backward (GPT-2's residual dropout
+    # keeps its mask): a full recompute then runs through that reduction too, f reductions instead of f - 1
+    tp_recompute_tail_count: int = 0
     # under SP, all-gathered once in backward: the replicated activation the first sequence-parallel module slices
     # into sequence shards (the input of the first block, on the first stage)
     sp_gather_bytes: float = 0.0
@@ -311,6 +316,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     if kind == "loss" and _vocabulary_head(ir):  # loss_parallel over the vocabulary-parallel logits
         fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
     sp_count, sp_elems = _sequence_parallel_params(layer, tags)
+    tail = int(kind == "block" and fwd[0] > 0 and _saves_after_last_reduction(layer, tags))
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
     replicated = a.replicated if kind != "loss" else 0.0
     return LayerCost(
@@ -337,6 +343,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         tp_bwd_bytes=bwd[1],
         tp_fixed_count=fixed[0],
         tp_fixed_bytes=fixed[1],
+        tp_recompute_tail_count=tail,
         sp_param_count=sp_count,
         sp_param_elems=sp_elems,
         vocab_size=ir.vocab_size if kind in ("embedding", "head", "loss") else 0,
@@ -369,6 +376,20 @@ def _kv_bytes(layer: LayerIR, ir: ModelIR) -> float:
         return total
     head_dim = ir.head_dim or ir.hidden_size // max(ir.num_heads, 1)
     return len(layer.attention) * ir.compute_bytes * 2.0 * ir.num_kv_heads * head_dim * ir.seq_len
+
+
+def _saves_after_last_reduction(layer: LayerIR, tags: dict[str, str]) -> bool:
+    """Whether an op computed from the block's last row-parallel output saves a tensor for backward: torch's
+    non-reentrant checkpoint recomputes up to the last saved tensor, so that reduction is then repeated too."""
+    g = layer.ops
+    if g is None:
+        return False
+    rows = [
+        n
+        for n, d in g.nodes(data=True)
+        if d.get("kind") == "linear" and tags.get(n) != "S" and any(tags.get(p) == "S" for p in g.predecessors(n))
+    ]
+    return bool(rows) and any(g.nodes[x].get("saved", 0.0) > 0 for x in nx.descendants(g, rows[-1]))
 
 
 def _vocabulary_head(ir: ModelIR) -> bool:
@@ -445,9 +466,11 @@ def _block_splits(
     splits: list[Split] = []
     inputs: list[float] = []
     seen = set()
+    ops = iter(linears)  # the op graph's linear nodes, in the same order
     for n, d in g.nodes(data=True):
         if d.get("kind") != "linear":
             continue
+        op = next(ops)
         col = tags[n] == "S"
         if not col:  # a linear reading a region's tensor is row-parallel and leaves the region
             row = any(tags.get(p) == "S" for p in g.predecessors(n))
@@ -457,9 +480,9 @@ def _block_splits(
         preds = tuple(sorted(g.predecessors(n)))
         if not preds and d.get("grad_free_input"):  # reads a model input: no input gradient to all-reduce
             continue
-        if preds not in seen:
+        if preds not in seen:  # the input as the linear reads it (a norm computing in fp32 casts back first)
             seen.add(preds)
-            inputs.append(float(sum(g.nodes[p]["bytes"] for p in preds)) if preds else residual)
+            inputs.append(float(elem_bytes * op.rows * op.in_features))
     return splits, inputs
 
 

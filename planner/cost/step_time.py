@@ -67,7 +67,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from mlm.planner.cost.collective_counts import GRAD_NORM_BYTES, pipeline_boundary_bytes, sp_norm_reductions
+from mlm.planner.cost.collective_counts import (
+    GRAD_NORM_BYTES,
+    pipeline_boundary_bytes,
+    recomputed_reductions,
+    sp_norm_bytes,
+    sp_norm_reductions,
+)
 from mlm.planner.cost.collectives import (
     Link,
     all_gather_s,
@@ -168,6 +174,9 @@ class CostOptions:
         micro-batch's forward (mlm-run: FSDP2 without resharding after forward reshards after each backward, as
         `mlm-run --dry-run` counts); False: once per step, after the optimizer (Megatron-Core's distributed
         optimizer, which keeps the whole bf16 parameters between steps).
+    recompute_repeats_every_reduction: a fully recomputed forward repeats every tp reduction of the block
+        (Megatron-LM's reentrant checkpoint re-runs the whole forward); False: torch's non-reentrant checkpoint in
+        mlm-run stops at the last tensor the backward needs (LayerCost.tp_recompute_tail_count).
     cp_overlap: fraction of the layer's attention compute that hides context parallelism's K/V exchange (0 in
         mlm-run, which all-gathers K/V before the attention; Megatron-Core's ring attention, cp_comm_type p2p,
         sends the next chunk's K/V while the current one's attention runs, so up to all of it).
@@ -185,6 +194,7 @@ class CostOptions:
     fused_loss_backward: bool = False
     loss_bytes: float = 4.0
     zero1_gathers_every_microbatch: bool = True
+    recompute_repeats_every_reduction: bool = False
 
 
 def with_loss_bytes(inputs: ModelCostInputs, loss_bytes: float) -> ModelCostInputs:
@@ -211,6 +221,7 @@ def on_cluster(options: CostOptions, cluster: ClusterProfile | None) -> CostOpti
 MLM_RUN = CostOptions()
 MEGATRON_2021 = CostOptions(
     dp_overlap=0.0,
+    recompute_repeats_every_reduction=True,
     zero3_reduce_every_microbatch=False,
     grad_reduce_bytes=2.0,
     sp_saves_gathered_inputs=False,
@@ -366,7 +377,7 @@ def _layer_times(
     tp_b = _tp_collective(layer.tp_bwd_count, mb * layer.tp_bwd_bytes, tp, sp, tp_link)
     forward = gemm + attn_f + mem
     if layout.recompute == "full":
-        extra = forward + _tp_again(layer, layout, tp_link)
+        extra = forward + _tp_again(layer, layout, tp_link, options.recompute_repeats_every_reduction)
     elif layout.recompute == "selective" and layer.attn_materialized:
         extra = attn_f + mb * layer.core_bytes / tp / bandwidth
     else:
@@ -420,17 +431,19 @@ def _tp_collective(count: int, nbytes: float, tp: int, sp: bool, link: Link) -> 
     return all_reduce_s(nbytes, tp, link, count)
 
 
-def _tp_again(layer: LayerCost, layout: Layout, link: Link) -> float:
+def _tp_again(layer: LayerCost, layout: Layout, link: Link, every: bool = False) -> float:
     """The tp collectives of a fully recomputed forward: every reduction but the last (torch's non-reentrant
-    checkpoint stops once the backward has what it needs) and, under SP, every gather."""
+    checkpoint stops once the backward has what it needs; the last too when an op after it saves a tensor, or
+    `every`: a reentrant checkpoint) and, under SP, every gather."""
     f, tp, mb = layer.tp_fwd_count, layout.tp, layout.micro_batch
     if tp == 1 or f == 0:
         return 0.0
-    again = mb * layer.tp_fwd_bytes * (f - 1) / f
+    n = f if every else recomputed_reductions(layer)
+    again = mb * layer.tp_fwd_bytes * n / f
     if layout.sequence_parallel:
         gather = all_gather_s(mb * layer.tp_fwd_bytes, tp, link, f)
-        return gather + (reduce_scatter_s(again, tp, link, f - 1) if f > 1 else 0.0)
-    return all_reduce_s(again, tp, link, f - 1) if f > 1 else 0.0
+        return gather + (reduce_scatter_s(again, tp, link, n) if n else 0.0)
+    return all_reduce_s(again, tp, link, n) if n else 0.0
 
 
 def _tp_fixed(layer: LayerCost, layout: Layout, link: Link) -> float:
@@ -791,7 +804,10 @@ def _dp_time(
         count = blocks * inputs.block.sp_param_count + edge.sp_param_count
         times = sp_norm_reductions(layout, options.zero3_reduce_every_microbatch)
         if count:
-            nbytes = options.grad_reduce_bytes * (blocks * inputs.block.sp_param_elems + edge.sp_param_elems)
+            width = sp_norm_bytes(
+                layout, inputs.compute_bytes, options.grad_reduce_bytes, options.zero3_reduce_every_microbatch
+            )
+            nbytes = width * (blocks * inputs.block.sp_param_elems + edge.sp_param_elems)
             exposed += times * all_reduce_s(nbytes, layout.tp, group_link(cluster, layout.tp, 1), count)
     if layout.world_size > 1:  # runtime/optim.py grad_norm: one fp32 scalar over every rank
         exposed += all_reduce_s(GRAD_NORM_BYTES, layout.world_size, group_link(cluster, layout.world_size, 1))

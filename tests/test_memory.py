@@ -48,6 +48,24 @@ def test_activations_match_korthikanti(plain_gpt_block, recompute, tp, sp, formu
         assert got == pytest.approx(formula, rel=0.05)
 
 
+def _saved_bytes(block: object, seq: int, hidden: int) -> int:
+    """Bytes autograd saves for one bf16 forward of `block` on a (1, seq, hidden) input: unique storages packed by
+    saved_tensors_hooks, the block's parameters excluded."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}  # type: ignore[attr-defined]
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, seq, hidden, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)  # type: ignore[operator]
+    return sum(n for ptr, n in saved.items() if ptr not in params)
+
+
 def test_sdpa_block_activations_against_tensors_autograd_saves():
     """A measured run: the bytes autograd actually saves for one bf16 GPT block (SDPA) on CPU, counted with
     saved_tensors_hooks (unique storages, parameters excluded), against the model's count from the capture.
@@ -58,18 +76,7 @@ def test_sdpa_block_activations_against_tensors_autograd_saves():
 
     seq, h, cfg = 256, 512, dict(n_head=8, n_embd=512, vocab_size=1000, block_size=256)
     torch.manual_seed(0)
-    block = GPT(GPTConfig(n_layer=1, **cfg)).to(torch.bfloat16).transformer.h[0]
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    measured = _saved_bytes(GPT(GPTConfig(n_layer=1, **cfg)).to(torch.bfloat16).transformer.h[0], seq, h)
     model = activation_bytes(
         summarize(capture(load_model_spec("gpt2", args=dict(n_layer=2, **cfg)))).block, "none", 1, False, 1
     )
@@ -119,17 +126,6 @@ def test_llama_block_activations_against_tensors_autograd_saves(mlp):
     seq, h = 256, 512
     cfg = dict(dim=h, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000, ffn_dim=4 * h, max_seq_len=seq, mlp=mlp)
     torch.manual_seed(0)
-    block = TransformerBlock(LlamaConfig(**cfg)).to(torch.bfloat16)
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    x = torch.randn(1, seq, h, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x)
-    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    measured = _saved_bytes(TransformerBlock(LlamaConfig(**cfg)).to(torch.bfloat16), seq, h)
     model = activation_bytes(summarize(capture(load_model_spec("llama3-8b", args=cfg))).block, "none", 1, False, 1)
     assert measured <= model <= 1.08 * measured

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,7 +214,7 @@ def _flat(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def param_view(a: torch.fx.Node, is_param: set[torch.fx.Node]) -> torch.fx.Node | None:
+def param_view(a: torch.fx.Node, is_param: Collection[torch.fx.Node]) -> torch.fx.Node | None:
     """The parameter `a` is, or is a view of (W.T: a matmul that reads a weight through a transpose is a linear)."""
     while a not in is_param and a.op in ("call_function", "call_method") and op_name(a) in VIEW_OPS:
         inputs = tensor_args(a)

@@ -1053,8 +1053,9 @@ def _param_module(param_fqn: str) -> str:
 
 def _linear_op(n: torch.fx.Node, params: dict[torch.fx.Node, str], layer: str) -> LinearOp:
     args = [a for a in _inputs(n) if val(a) is not None]
-    operand = next(a for a in args if param_view(a, set(params)) is not None and val(a).dim() == 2)
-    weight = param_view(operand, set(params))
+    keys = params.keys()
+    operand = next(a for a in args if param_view(a, keys) is not None and val(a).dim() == 2)
+    weight = param_view(operand, keys)
     assert weight is not None
     w = val(operand)  # as the op reads it (W.T for x @ W.T)
     assert w is not None

@@ -124,6 +124,11 @@ def style_for(
         return SequenceParallel(sequence_dim=SEQ_DIM, use_local_output=True)
     if style == "replicate" or (style == "sequence" and not sequence_parallel):
         return None
+    if style == "heads":
+        # a norm over the head width applied to this rank's heads (Qwen3's q_norm / k_norm): the weight a
+        # replicated DTensor, the input claimed sharded along dimension 0 (any dimension but the normalised one
+        # gives the same local computation), so that DTensor sums the weight's partial gradient over tp
+        return SequenceParallel(sequence_dim=0, use_local_output=True)
     if style == "sequence":
         # a norm inside a block hands on its local shard, as a region's output is, for the block's code to mix with
         # the (local) residual (Gemma's post-norms); a norm layer of its own (a final norm) a DTensor, whose global

@@ -484,6 +484,9 @@ def test_a_diffusers_unet_at_tp2_runs_its_feed_forward_as_one_region(tmp_path: P
         # Falcon: linears written as x @ W.T, K/V repeated to the query heads before the call, and the attention
         # output added into the MLP's in place
         ("falcon", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
+        # Qwen3's per-head q/k norms run on the rank's heads (style "heads"): their weights' gradients are summed
+        # over tp once per step (no sharding existed with SP before; without it the attention ran replicated)
+        ("qwen3", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
     ],
 )
 def test_hugging_face_families_at_tp2_dry_run_as_priced(family: str, pins: tuple[str, ...], tmp_path: Path) -> None:

@@ -21,24 +21,26 @@ from mlm.planner.search.make_plan import _first_shardable, _Sharder, make_plan
 from mlm.planner.search.sharder import tp_cost
 from mlm.planner.search.tp_sharding import plan_tensor_parallel
 
-QWEN3 = textwrap.dedent(
+OLMO2 = textwrap.dedent(
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Olmo2Config, Olmo2ForCausalLM
 
     def build_model(layers: int = 2):
-        cfg = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
-        return Qwen3ForCausalLM(cfg)
+        cfg = Olmo2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        return Olmo2ForCausalLM(cfg)
     """
 )
 
 
 @pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """Per-head q/k norms (Qwen3): the sharding ILP cannot feed them under sequence parallelism."""
+def olmo2(tmp_path_factory):
+    """OLMo 2 normalises q and k over the whole projection (every head at once, before the split into heads): the
+    sharding ILP cannot split its attention, which sequence parallelism then cannot feed. (Qwen3's per-head norms
+    were the example until they ran on the rank's heads.)"""
     pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("qwen3") / "qwen3_tiny.py"
-    path.write_text(QWEN3)
+    path = tmp_path_factory.mktemp("olmo2") / "olmo2_tiny.py"
+    path.write_text(OLMO2)
     spec = load_model_spec(str(path))
     return spec, capture(spec, seq_len=128)
 
@@ -89,9 +91,9 @@ def test_search_warns_when_a_milp_stops_at_its_time_limit() -> None:
     assert any("time limit" in note for note in result.notes)
 
 
-def test_unshardable_candidate_is_skipped_with_its_reason(qwen3) -> None:
+def test_unshardable_candidate_is_skipped_with_its_reason(olmo2) -> None:
     """Rank a sequence-parallel layout first: it is skipped (with the ILP's reason), the next one is planned."""
-    spec, ir = qwen3
+    spec, ir = olmo2
     gpu, cluster = resolve("a100-80gb", None)
     request = PlanRequest(num_gpus=8, global_batch=64, tp=2)
     result = search(ir, request, gpu, cluster)
@@ -108,8 +110,8 @@ def test_unshardable_candidate_is_skipped_with_its_reason(qwen3) -> None:
     assert sharding.tp == 2 and not sharding.sequence_parallel
 
 
-def test_no_shardable_candidate_fails_naming_the_reasons(qwen3, capsys) -> None:
-    spec, _ = qwen3
+def test_no_shardable_candidate_fails_naming_the_reasons(olmo2, capsys) -> None:
+    spec, _ = olmo2
     args = [spec.source, "--gpus", "8", "--seq-len", "128", "--global-batch", "64", "--tp", "2"]
     assert main([*args, "--sequence-parallel"]) == 2
     err = capsys.readouterr().err

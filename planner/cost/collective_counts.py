@@ -208,6 +208,9 @@ def rank_collectives(
             if layout.tp > 1 and layout.sequence_parallel:
                 sp_tensors += layer.sp_param_count
                 sp_elems += layer.sp_param_elems
+            if layout.tp > 1:  # per-head norm weights, reduced with the SP norms' (style "heads")
+                sp_tensors += layer.head_param_count
+                sp_elems += layer.head_param_elems
         held = [local_params(layer, layout.tp) for layer in layers]
         params += sum(held)
         if layout.ep > 1:  # the routed experts: 1/ep of them here, reduced over the ranks holding the same ones

@@ -92,6 +92,10 @@ class LayerCost:
     # partial sum over the sequence shards, all-reduced over tp with the gradients (collective_counts)
     sp_param_count: int = 0
     sp_param_elems: float = 0.0
+    # parameters of ops that run on this rank's heads (per-head q/k norms, plan style "heads"): replicated, their
+    # gradients partial sums over the tp ranks' heads, all-reduced over tp with or without SP, as the SP norms'
+    head_param_count: int = 0
+    head_param_elems: float = 0.0
     # fp32 bytes of the logits a cross-entropy loss reads (the loss layer; sequence x vocabulary): its backward's
     # temporaries are a few tensors of that size (memory.loss_backward_bytes)
     loss_logits_bytes: float = 0.0
@@ -316,6 +320,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     if kind == "loss" and _vocabulary_head(ir):  # loss_parallel over the vocabulary-parallel logits
         fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
     sp_count, sp_elems = _sequence_parallel_params(layer, tags)
+    head_count, head_elems = _head_params(layer, tags)
     tail = int(kind == "block" and fwd[0] > 0 and _saves_after_last_reduction(layer, tags))
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
     replicated = a.replicated if kind != "loss" else 0.0
@@ -346,6 +351,8 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         tp_recompute_tail_count=tail,
         sp_param_count=sp_count,
         sp_param_elems=sp_elems,
+        head_param_count=head_count,
+        head_param_elems=head_elems,
         vocab_size=ir.vocab_size if kind in ("embedding", "head", "loss") else 0,
         loss_logits_bytes=float(FP32_BYTES * ir.seq_len * ir.vocab_size) if kind == "loss" else 0.0,
         model_flops=layer.flops_matmul + layer.flops_attention,
@@ -530,9 +537,24 @@ def _sequence_parallel_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int
         return 0, 0.0
     found: dict[str, int] = {}
     for n, d in g.nodes(data=True):
+        if d.get("constant"):  # batch-independent (Gemma's 1 + weight): the op that uses it decides
+            continue
         k = d.get("kind")
         whole = tags[n] == "R" and not any(tags.get(p) == "S" for p in g.predecessors(n))
         if layer.kind == "norm" or (tags[n] == "R" and k != "linear" and k != "embedding") or (k == "linear" and whole):
+            found.update(d.get("params", ()))
+    return len(found), float(sum(found.values()))
+
+
+def _head_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int, float]:
+    """(tensors, elements) of the parameters read by non-linear ops inside a tp region (a per-head norm's weight),
+    which runtime/tensor_parallel.py replicates with style "heads"."""
+    g = layer.ops
+    if g is None or layer.kind != "block":
+        return 0, 0.0
+    found: dict[str, int] = {}
+    for n, d in g.nodes(data=True):
+        if tags.get(n) == "S" and d.get("kind") not in ("linear", "embedding") and not d.get("constant"):
             found.update(d.get("params", ()))
     return len(found), float(sum(found.values()))
 

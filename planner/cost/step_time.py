@@ -798,17 +798,21 @@ def _dp_time(
             2,
             p2p_link(cluster, layout.tp * layout.cp * dp),
         )
-    if layout.tp > 1 and layout.sequence_parallel:  # SP norm gradients, the fullest rank's (ceil(blocks / pp))
+    if layout.tp > 1:  # SP norm and per-head norm gradients, the fullest rank's (ceil(blocks / pp))
         blocks = math.ceil(inputs.num_blocks / pp)
+        sp = layout.sequence_parallel
         edge = max(inputs.pre, inputs.post, key=lambda c: c.sp_param_elems)
-        count = blocks * inputs.block.sp_param_count + edge.sp_param_count
+        count = blocks * inputs.block.head_param_count + (
+            blocks * inputs.block.sp_param_count + edge.sp_param_count if sp else 0
+        )
         times = sp_norm_reductions(layout, options.zero3_reduce_every_microbatch)
         if count:
             width = sp_norm_bytes(
                 layout, inputs.compute_bytes, options.grad_reduce_bytes, options.zero3_reduce_every_microbatch
             )
-            nbytes = width * (blocks * inputs.block.sp_param_elems + edge.sp_param_elems)
-            exposed += times * all_reduce_s(nbytes, layout.tp, group_link(cluster, layout.tp, 1), count)
+            elems = blocks * inputs.block.head_param_elems
+            elems += blocks * inputs.block.sp_param_elems + edge.sp_param_elems if sp else 0.0
+            exposed += times * all_reduce_s(width * elems, layout.tp, group_link(cluster, layout.tp, 1), count)
     if layout.world_size > 1:  # runtime/optim.py grad_norm: one fp32 scalar over every rank
         exposed += all_reduce_s(GRAD_NORM_BYTES, layout.world_size, group_link(cluster, layout.world_size, 1))
     return exposed

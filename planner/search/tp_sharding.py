@@ -64,7 +64,7 @@ import pulp
 from mlm.planner.capture.graph import LayerIR, ModelIR
 from mlm.planner.errors import Infeasible, PlanError
 
-Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence"]
+Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence", "heads"]
 R, S, Q = "R", "S", "Q"
 REDUCTIONS = frozenset(
     {
@@ -350,8 +350,11 @@ def _linear_strategies(
     return ks
 
 
-def _op_states(d: dict[str, Any], heads_ok: bool, sp: bool) -> list[str]:
-    """The states a non-linear op can run in (input state = output state)."""
+def _op_states(d: dict[str, Any], heads_ok: bool, sp: bool, heads: set[int] | None = None) -> list[str]:
+    """The states a non-linear op can run in (input state = output state). A norm, reduction or weighted op on a
+    4-d tensor with a heads dimension (Qwen3's and Gemma 3's per-head q/k norms, over the head width) can run on
+    this rank's heads: S splits the heads, not the dimension it reduces over (its weight's gradient is then a
+    partial sum over the ranks' heads: style "heads", all-reduced over tp)."""
     kind, op, shape = d["kind"], d["op"], tuple(d["shape"])
     seq = [Q] if sp else []
     if kind in ("attention", "matmul"):
@@ -359,7 +362,8 @@ def _op_states(d: dict[str, Any], heads_ok: bool, sp: bool) -> list[str]:
     if kind == "softmax":
         return [R, S] if len(shape) == 4 and heads_ok else [R] + seq
     if kind == "norm" or op in REDUCTIONS or d["weight"] is not None:
-        return [R] + seq
+        per_head = heads_ok and len(shape) == 4 and bool({shape[-2], shape[-3]} & {h for h in heads or () if h > 1})
+        return [R, S] + seq if per_head else [R] + seq
     if kind in ("elementwise", "dropout"):
         return [R, S] + seq
     return [R]  # loss, embedding inside a block
@@ -393,7 +397,8 @@ class _Model:
                 out_f = op.out_features if op else d["shape"][-1]
                 self.strategies[n] = _linear_strategies(d, in_f, out_f, tp, sp, allow_gather)
             else:
-                self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp)]
+                heads = self.heads | {ir.num_heads, ir.num_kv_heads or ir.num_heads}  # K before any repeat
+                self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp, heads)]
         self.prob = pulp.LpProblem("tp_sharding", pulp.LpMinimize)
         self.x = {
             (n, i): self.binary(f"x_{j}_{i}") for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))
@@ -601,6 +606,8 @@ def _read_solution(
                 splits[module] = sp
         elif m.sp and k.inp == Q and (d["kind"] == "norm" or d["weight"] is not None) and d["module"]:
             styles[d["module"]] = "sequence"
+        elif k.inp == S and d["weight"] is not None and d["module"]:
+            styles[d["module"]] = "heads"  # a per-head norm's weight, replicated; its gradient summed over tp
     order = {n: i for i, n in enumerate(m.g.nodes)}
     colls.sort(
         key=lambda c: min(
@@ -649,7 +656,7 @@ def _with_explanation(r: TPSharding, ir: ModelIR, notes: list[str]) -> TPShardin
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         what = ", ".join(f"{v} {k}{'s' if v > 1 else ''}" for k, v in kinds.items()) or "no collectives"
         lines.append(f"per block forward: {what} ({sum(c.tensor_bytes for c in colls) / 2**20:.1f} MiB per sample)")
-        for style in ("colwise", "rowwise", "replicate", "sequence"):
+        for style in ("colwise", "rowwise", "replicate", "sequence", "heads"):
             mods = [f[len(b.name) + 1 :] for f, s in r.styles.items() if s == style and f.startswith(b.name + ".")]
             if mods:
                 lines.append(f"  {style}: {', '.join(mods)}")

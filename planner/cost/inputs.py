@@ -17,7 +17,7 @@ parallelism). All quantities are per sample (micro-batch 1) of `seq_len` tokens,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
@@ -535,26 +535,32 @@ def _sequence_parallel_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int
     g = layer.ops
     if g is None or layer.kind not in ("block", "norm"):
         return 0, 0.0
-    found: dict[str, int] = {}
-    for n, d in g.nodes(data=True):
-        if d.get("constant"):  # batch-independent (Gemma's 1 + weight): the op that uses it decides
-            continue
+
+    def kept(n: str, d: dict) -> bool:
         k = d.get("kind")
         whole = tags[n] == "R" and not any(tags.get(p) == "S" for p in g.predecessors(n))
-        if layer.kind == "norm" or (tags[n] == "R" and k != "linear" and k != "embedding") or (k == "linear" and whole):
-            found.update(d.get("params", ()))
-    return len(found), float(sum(found.values()))
+        return (
+            layer.kind == "norm" or (tags[n] == "R" and k != "linear" and k != "embedding") or (k == "linear" and whole)
+        )
+
+    return _params_read(layer, kept)
 
 
 def _head_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int, float]:
     """(tensors, elements) of the parameters read by non-linear ops inside a tp region (a per-head norm's weight),
     which runtime/tensor_parallel.py replicates with style "heads"."""
-    g = layer.ops
-    if g is None or layer.kind != "block":
+    if layer.ops is None or layer.kind != "block":
         return 0, 0.0
+    return _params_read(layer, lambda n, d: tags.get(n) == "S" and d.get("kind") not in ("linear", "embedding"))
+
+
+def _params_read(layer: LayerIR, kept: Callable[[str, dict], bool]) -> tuple[int, float]:
+    """(tensors, elements) of the distinct parameters read by the op-graph nodes `kept` selects; a batch-independent
+    node (Gemma's 1 + weight) is skipped: the op that uses its result decides."""
+    assert layer.ops is not None
     found: dict[str, int] = {}
-    for n, d in g.nodes(data=True):
-        if tags.get(n) == "S" and d.get("kind") not in ("linear", "embedding") and not d.get("constant"):
+    for n, d in layer.ops.nodes(data=True):
+        if not d.get("constant") and kept(n, d):
             found.update(d.get("params", ()))
     return len(found), float(sum(found.values()))
 

@@ -388,6 +388,7 @@ class _Model:
         self.heads = self.heads or {ir.num_heads, ir.num_kv_heads or ir.num_heads}
         feats = {op.fqn: op for op in layer.linears}
         self.nodes = [n for n in self.g.nodes if n not in self.constants]
+        heads = self.heads | {ir.num_heads, ir.num_kv_heads or ir.num_heads}  # K's heads before any repeat
         self.strategies: dict[str, list[Strategy]] = {}
         for n in self.nodes:
             d = self.g.nodes[n]
@@ -397,7 +398,6 @@ class _Model:
                 out_f = op.out_features if op else d["shape"][-1]
                 self.strategies[n] = _linear_strategies(d, in_f, out_f, tp, sp, allow_gather)
             else:
-                heads = self.heads | {ir.num_heads, ir.num_kv_heads or ir.num_heads}  # K before any repeat
                 self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp, heads)]
         self.prob = pulp.LpProblem("tp_sharding", pulp.LpMinimize)
         self.x = {

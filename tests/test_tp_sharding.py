@@ -271,3 +271,69 @@ def test_attention_with_a_constant_that_spans_every_head_stays_replicated() -> N
     attention = [v for k, v in styles.items() if ".attention." in k]
     assert len(attention) == 16 and set(attention) == {"replicate"}  # q, k, v, o of 4 blocks
     assert {v for k, v in styles.items() if k.endswith("mlp.fc1")} == {"colwise"}
+
+
+PER_HEAD_WEIGHTS = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, per_head_rows):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        # a q scale over the head width, one shared row (Qwen3-like) or one row per head (Cohere-like)
+        self.q_scale = nn.Parameter(torch.ones(heads if per_head_rows else 1, self.head_dim))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
+        q = q * self.q_scale
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads, per_head_rows):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(dim), Attention(dim, heads, per_head_rows)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Model(nn.Module):
+    def __init__(self, per_head_rows=False, dim=64, heads=4, layers=2, vocab=128):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, per_head_rows) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model(per_head_rows=False):
+    return Model(per_head_rows)
+"""
+
+
+@pytest.mark.parametrize("per_head_rows", [False, True])
+def test_a_weight_read_on_the_heads_is_split_only_when_it_broadcasts_over_them(per_head_rows, tmp_path) -> None:
+    """A weight over the head width shared by every head runs on the rank's heads (style "heads": replicated, its
+    gradient summed over tp); one with a row per head cannot (a rank would need its own rows, and mlm-run does
+    not slice a module's parameters), so that attention stays replicated, as a constant spanning the heads does."""
+    path = tmp_path / "per_head.py"
+    path.write_text(PER_HEAD_WEIGHTS)
+    ir = capture(load_model_spec(str(path), args={"per_head_rows": per_head_rows}), seq_len=32)
+    styles = plan_tensor_parallel(ir, 2).styles
+    attn = "blocks.0.attn"
+    if per_head_rows:
+        assert styles[f"{attn}.qkv"] == "replicate" and f"{attn}" not in styles
+    else:
+        assert styles[f"{attn}.qkv"] == "colwise" and styles[attn] == "heads"

@@ -1173,11 +1173,10 @@ def _op_graph(
             saved=saved.get(n.name, 0.0),
             kv_heads=_key_heads(n) if c.kind == "attention" else 0,
             masked=c.kind == "attention" and masks.sdpa_mask(n)[0] is not None,
-            # shapes of the operands that do not depend on the batch (masks, rotary tables, T5's position bias), as
-            # the op reads them: whether they broadcast against a tensor-parallel shard (tp_sharding.py)
-            constant_operands=tuple(
-                tuple(t.shape) for a in _inputs(n) if a in inert and a not in params and (t := val(a)) is not None
-            ),
+            # shapes of the operands that do not depend on the batch (masks, rotary tables, T5's position bias, and
+            # parameters, such as a per-head norm weight with one row per head), as the op reads them: whether they
+            # broadcast against a tensor-parallel shard (tp_sharding.py)
+            constant_operands=tuple(tuple(t.shape) for a in _inputs(n) if a in inert and (t := val(a)) is not None),
         )
         for src in _compute_sources(n, costs, member):
             g.add_edge(src.name, n.name)

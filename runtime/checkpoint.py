@@ -28,8 +28,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
 
 from mlm.planner.errors import PlanError
+from mlm.runtime.model_build import row_order
 from mlm.runtime.stages import original_fqn
 from mlm.runtime.tensor_parallel import copy_from_plain_shards, is_strided, to_plain_shards
 
@@ -44,23 +46,33 @@ class CheckpointWriteError(CheckpointError, OSError):
     """A save could not be written (full disk, permissions); the previous checkpoint is kept."""
 
 
+Order = tuple[int, torch.Tensor]
+
+
 def training_state(
     stages: list[nn.Module], optimizer: torch.optim.Optimizer, canonical: dict[str, str]
-) -> dict[str, Any]:
-    """The flat DCP state of this rank: its stages' parameters and buffers, and their optimizer state."""
+) -> tuple[dict[str, Any], dict[str, Order]]:
+    """The flat DCP state of this rank (its stages' parameters and buffers, and their optimizer state), and the
+    keys whose tensors are stored with reordered rows (model_build.row_order): saved in the original order."""
     state: dict[str, Any] = {}
+    orders: dict[str, Order] = {}
     names: dict[int, str] = {}
+    by_param: dict[int, Order] = {}
     for stage in stages:
         for name, value in stage.state_dict().items():
             state["model/" + original_fqn(name)] = value
         for name, p in stage.named_parameters(remove_duplicate=False):
             fqn = original_fqn(name)
             names.setdefault(id(p), canonical.get(fqn, fqn))
+            if (order := row_order(stage, name)) is not None:
+                orders["model/" + fqn] = by_param[id(p)] = order
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 state[f"optim/{names[id(p)]}/{key}"] = value
-    return state
+                if id(p) in by_param and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    orders[f"optim/{names[id(p)]}/{key}"] = by_param[id(p)]
+    return state, orders
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -77,8 +89,11 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
 
 
-def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Write `state` under directory.tmp-<step>, then (rank 0) swap it in for `directory`. Collective."""
+def save(
+    directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any], orders: dict[str, Order] | None = None
+) -> None:
+    """Write `state` under directory.tmp-<step>, then (rank 0) swap it in for `directory`; tensors named in
+    `orders` in their original row order. Collective."""
     tmp = directory.with_name(f"{directory.name}.tmp-{step}")
     rank = dist.get_rank()
     if rank == 0:
@@ -87,7 +102,8 @@ def save(directory: Path, step: int, state: dict[str, Any], meta: dict[str, Any]
             shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     # per-head shards of fused projections (_StridedShard) as plain chunks: DCP writes overlapping chunks for them
-    state = {k: to_plain_shards(v) if is_strided(v) else v for k, v in state.items()}
+    orders = orders or {}
+    state = {k: to_plain_shards(v, orders.get(k)) if _needs_plain(k, v, orders) else v for k, v in state.items()}
     try:
         dcp.save(state, checkpoint_id=str(tmp))
         error = None
@@ -211,11 +227,17 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def load(directory: Path, state: dict[str, Any]) -> None:
-    """Load in place into this rank's tensors (any layout), under no_grad because they are leaf parameters."""
+def _needs_plain(key: str, value: Any, orders: dict[str, Order]) -> bool:
+    return isinstance(value, torch.Tensor) and (is_strided(value) or (key in orders and isinstance(value, DTensor)))
+
+
+def load(directory: Path, state: dict[str, Any], orders: dict[str, Order] | None = None) -> None:
+    """Load in place into this rank's tensors (any layout), under no_grad because they are leaf parameters;
+    tensors named in `orders` are stored with reordered rows (training_state)."""
     found = resolve(directory) or directory
-    strided = {k: v for k, v in state.items() if is_strided(v)}
-    state = {**state, **{k: to_plain_shards(v) for k, v in strided.items()}}  # as save() wrote them
+    orders = orders or {}
+    strided = {k: v for k, v in state.items() if _needs_plain(k, v, orders)}
+    state = {**state, **{k: to_plain_shards(v, orders.get(k)) for k, v in strided.items()}}  # as save() wrote them
     with torch.no_grad():
         try:
             dcp.load(state, storage_reader=SafeReader(str(found)), planner=_TensorsOnlyPlanner())
@@ -224,7 +246,7 @@ def load(directory: Path, state: dict[str, Any]) -> None:
         except BaseException as e:  # DCP raises CheckpointException (a BaseException) wrapping per-rank errors
             raise CheckpointError(f"--resume {directory}: cannot load: {_first_line(e)}") from None
     for k, dst in strided.items():
-        copy_from_plain_shards(dst, state[k])
+        copy_from_plain_shards(dst, state[k], orders.get(k))
 
 
 # ---- loading without running code from the checkpoint ----

@@ -521,8 +521,12 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
         if seen is not None and seen[0]() is param:
             return original(module, name, seen[1])
         data = param.detach()
+        # under the dry run's FakeTensorMode a fake tensor on the parameter's device (it holds no memory either):
+        # a fake "meta" one would take the device's dispatch keys from the __dict__ copied below but keep meta's in
+        # C++, and `param.data = f(param.data)` (transformers' _adjust_bias) would fail as an incompatible type
+        device = data.device if _fake_mode_active() else torch.device("meta")
         meta = nn.Parameter(
-            torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta"),
+            torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device=device),
             requires_grad=param.requires_grad,
         )
         meta.__dict__.update(param.__dict__)
@@ -674,10 +678,29 @@ def materialize(
                 rank, size = row_shards[rename(name)]
                 full = full.chunk(size, dim=0)[rank]
             if isinstance(p, DTensor):
+                full = to_stored_order(full, row_order(module, name))
                 p.to_local().copy_(local_shard(full, p.device_mesh, p.placements))
             else:
                 p.copy_(full)
             del full
+
+
+ROW_ORDER = "_mlm_row_order"  # module attribute: parameter name -> (dim, order) of a reordered fused projection
+
+
+def row_order(root: nn.Module, name: str) -> tuple[int, torch.Tensor] | None:
+    """(dim, order) when parameter `name` of `root` is stored with its rows reordered (tensor_parallel.LocalColwise
+    on unequal chunks): stored[i] = original[order[i]] along dim."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(root.get_submodule(owner), ROW_ORDER, {}).get(leaf)
+
+
+def to_stored_order(value: torch.Tensor, order: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+    return value if order is None else value.index_select(order[0], order[1].to(value.device))
+
+
+def to_original_order(value: torch.Tensor, order: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+    return value if order is None else value.index_select(order[0], order[1].argsort().to(value.device))
 
 
 def local_shard(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:

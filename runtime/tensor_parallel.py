@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import partial
@@ -182,7 +183,7 @@ def apply_tensor_parallel(
         module = model.get_submodule(name)
         region = in_region.get(name)
         if region is not None and style_name == "colwise":
-            plan[name] = LocalColwise(region.splits.get(name, 1))
+            plan[name] = LocalColwise(region.splits.get(name, ()))
         elif region is not None:
             plan[name] = LocalRowwise(seq)
         elif (style := style_for(style_name, module, sequence_parallel, name in layers)) is not None:
@@ -199,6 +200,7 @@ def apply_tensor_parallel(
     _retie(model, ties, set(concrete))
     if sequence_parallel and sequence_start is not None:
         _scatter_sequence(model, sequence_start, mesh)
+        _sequence_dropout(model, list(layers), sequence_start, mesh)
     return vocab_head
 
 
@@ -216,7 +218,7 @@ class Region:
     fqn: str
     colwise: list[str]  # FQNs in the model
     rowwise: list[str]
-    splits: dict[str, int] = field(default_factory=dict)  # colwise FQN -> equal chunks its output is split into
+    splits: dict[str, tuple[int, ...]] = field(default_factory=dict)  # colwise FQN -> the chunks its output is cut in
     attrs: dict[str, int] = field(default_factory=dict)  # attribute -> per-rank value
     proxy_width: int | None = None  # the module sees an input of this width (shape queries only)
     heads: tuple[int, ...] = ()  # heads of each attention call's q, k, v, unsharded
@@ -224,8 +226,9 @@ class Region:
 
     def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement) -> None:
         module = model.get_submodule(self.fqn)
+        _own_settings(module, self.attrs)
         for name, value in self.attrs.items():
-            setattr(module, name, value)
+            _set_attr(module, name, value)
         state = _RegionInput(mesh, seq, self.proxy_width)
         module.register_forward_pre_hook(state.prepare, with_kwargs=True)
         module.register_forward_hook(state.clear)
@@ -251,6 +254,10 @@ class _RegionInput:
         self.full: DTensor | None = None
         self.proxy: torch.Tensor | None = None
         self.seq_len: int | None = None  # the region input's global sequence length (for dropout shards)
+        # weak: a non-reentrant checkpoint's recompute stops early, before `clear` runs, and a strong reference
+        # would keep the gathered input alive through the backward
+        self.prepared: weakref.ref | None = None  # what the module got as its input
+        self.local: weakref.ref | None = None  # under SP: the input as it came, this rank's sequence chunk
 
     def prepare(self, _m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         key = None if args else _input_keyword(kwargs)
@@ -258,6 +265,11 @@ class _RegionInput:
         if not isinstance(x, torch.Tensor):
             raise PlanFileError("tensor parallelism: an attention / MLP module must take its input as a tensor")
         kind = x.device.type
+        self.local = None
+        if isinstance(self.seq, Shard):
+            self.local = weakref.ref(
+                x.to_local() if isinstance(x, DTensor) and tuple(x.placements) == (self.seq,) else x
+            )
         if torch.is_autocast_enabled(kind) and x.is_floating_point():  # gather in the dtype the linears compute in
             x = x.to(torch.get_autocast_dtype(kind))
         if not isinstance(x, DTensor):
@@ -268,6 +280,7 @@ class _RegionInput:
         if self.proxy_width is not None:
             self.full = x
             x = self.proxy = x.to_local().detach().narrow(-1, 0, self.proxy_width)
+        self.prepared = weakref.ref(x)
         if key is not None:
             return args, {**kwargs, key: x}
         return (x, *args[1:]), kwargs
@@ -278,7 +291,29 @@ class _RegionInput:
         return None
 
     def clear(self, *_: Any) -> None:
-        self.full = self.proxy = None
+        self.full = self.proxy = self.prepared = self.local = None
+
+    def residual(self, args: tuple, kwargs: dict, tp: int) -> tuple[tuple, dict]:
+        """Under SP, an op that mixes the module's (gathered) input with a tensor of this rank's sequence chunk
+        (HF BERT adds its attention module's input to the reduce-scattered output inside the module) reads the
+        input as it came: this rank's chunk, in its own dtype, as one device reads it; its gradient reaches the
+        input directly. No such op: the arguments unchanged."""
+        full = self.prepared() if self.prepared is not None else None
+        local = self.local() if self.local is not None else None
+        if isinstance(local, DTensor):
+            local = local.to_local() if tuple(local.placements) == (self.seq,) else None
+        if full is None or local is None or full.dim() <= SEQ_DIM:
+            return args, kwargs
+        flat = [*args, *kwargs.values()]
+        if not any(a is full for a in flat):
+            return args, kwargs
+        n = full.shape[SEQ_DIM] // tp
+        if not any(
+            isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() > SEQ_DIM and a.shape[SEQ_DIM] == n
+            for a in flat
+        ):
+            return args, kwargs
+        return tuple(local if a is full else a for a in args), {k: local if v is full else v for k, v in kwargs.items()}
 
 
 def find_regions(
@@ -354,7 +389,40 @@ def _is_block(model: nn.Module, fqn: str) -> bool:
 
 
 def _int_attrs(module: nn.Module) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted((k, v) for k, v in vars(module).items() if type(v) is int and not k.startswith("_")))
+    """The module's public integer attributes, and those of a plain object it holds (a Hugging Face config, which
+    Phi-3's attention reads its head count from) as "owner.name"."""
+    out = []
+    for k, v in vars(module).items():
+        if k.startswith("_"):
+            continue
+        if type(v) is int:
+            out.append((k, v))
+        elif _is_settings_object(v):
+            out += [(f"{k}.{a}", w) for a, w in vars(v).items() if type(w) is int and not a.startswith("_")]
+    return tuple(sorted(out))
+
+
+def _is_settings_object(v: Any) -> bool:
+    return (
+        hasattr(v, "__dict__")
+        and not isinstance(v, (nn.Module, torch.Tensor, type))
+        and not callable(v)
+        and type(v).__module__ != "builtins"
+    )
+
+
+def _set_attr(module: nn.Module, name: str, value: int) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(getattr(module, owner) if owner else module, leaf, value)
+
+
+def _own_settings(module: nn.Module, names: Collection[str]) -> None:
+    """Give `module` its own copy of each object a per-rank attribute lives in: the config object is shared by
+    every layer (and the model), and only this region's view of it takes per-rank head counts."""
+    import copy
+
+    for owner in {n.rpartition(".")[0] for n in names if "." in n}:
+        setattr(module, owner, copy.copy(getattr(module, owner)))
 
 
 # ------------------------------------------------------------------------------------------- the region check
@@ -376,12 +444,15 @@ class _Recorder(TorchFunctionMode):
     )
     SPLITS = frozenset({torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, torch.Tensor.tensor_split})
     MATMULS = frozenset({torch.Tensor.__matmul__, torch.matmul, torch.Tensor.matmul})
+    SLICES = frozenset({torch.Tensor.__getitem__, torch.Tensor.narrow, torch.narrow})
 
     def __init__(self, proxy: torch.Tensor | None = None) -> None:
         super().__init__()
         self.attention: list[tuple[int, ...]] = []
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # id of a colwise output -> (its linear, it)
         self.splits: dict[str, list[int]] = {}
+        self.slices: dict[str, set[tuple[int, int]]] = {}  # colwise output -> [start, stop) of last-dim slices
+        self.outputs_width: dict[str, int] = {}
         self.dropouts: list[tuple[int, ...]] = []  # input shape of each F.dropout call, in order
         self.proxy = proxy
         self.proxy_read = False
@@ -404,7 +475,44 @@ class _Recorder(TorchFunctionMode):
             dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
             if dim in (-1, args[0].dim() - 1):
                 self.splits[self.outputs[id(args[0])][0]] = [t.shape[-1] for t in out]
+        elif func in self.SLICES and args and id(args[0]) in self.outputs:
+            cut = _last_dim_slice(func, args, kwargs)
+            if cut is not None:
+                self.slices.setdefault(self.outputs[id(args[0])][0], set()).add(cut)
         return out
+
+    def chunks(self) -> dict[str, list[int]]:
+        """How each colwise output is cut along its features: split / chunk sizes, or the widths of slices that
+        tile it (Phi-3's `qkv[..., :q]`, `qkv[..., q:q + kv]`, `qkv[..., q + kv:]`)."""
+        out = dict(self.splits)
+        for name, cuts in self.slices.items():
+            ordered = sorted(cuts)
+            width = self.outputs_width.get(name)
+            tiles = ordered[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ordered, ordered[1:]))
+            if name not in out and tiles and ordered[-1][1] == width and len(ordered) > 1:
+                out[name] = [b - a for a, b in ordered]
+        return out
+
+
+def _last_dim_slice(func: Any, args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """[start, stop) of a getitem / narrow that cuts only the last dimension of args[0], else None."""
+    x = args[0]
+    width = x.shape[-1]
+    if func is torch.Tensor.__getitem__:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if not index or not isinstance(index[-1], slice) or index[-1].step not in (None, 1):
+            return None
+        rest = index[:-1]
+        whole = all(i is Ellipsis or i == slice(None) for i in rest)
+        if not whole or (Ellipsis not in rest and len(index) != x.dim()):
+            return None
+        start, stop, _ = index[-1].indices(width)
+        return (start, stop) if stop > start else None
+    bound = {**dict(zip(("input", "dim", "start", "length"), args)), **kwargs}
+    dim, start, length = bound.get("dim"), bound.get("start"), bound.get("length")
+    if dim not in (-1, x.dim() - 1) or not isinstance(start, int) or not isinstance(length, int):
+        return None
+    return (start % width, start % width + length)
 
 
 def _stub(module: nn.Module, name: str, out_features: int, rec: dict[str, Any], recorder: _Recorder | None) -> None:
@@ -413,6 +521,7 @@ def _stub(module: nn.Module, name: str, out_features: int, rec: dict[str, Any], 
         y = torch.empty(*x.shape[:-1], out_features, device=x.device, dtype=x.dtype)
         if recorder is not None:
             recorder.outputs[id(y)] = (name, y)  # kept alive, so its id is not reused
+            recorder.outputs_width[name] = out_features
         return y
 
     module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
@@ -421,6 +530,20 @@ def _stub(module: nn.Module, name: str, out_features: int, rec: dict[str, Any], 
 def _unstub(modules: list[nn.Module]) -> None:
     for m in modules:
         m.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def _quiet_fake_errors() -> Any:
+    """FakeTensorMode logs every failing op at error level; here a failure only rules a candidate setting out."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _fake_mode() -> contextlib.AbstractContextManager:
@@ -472,7 +595,7 @@ def _run(
         for n, m in zip(row, mods[len(col) :]):
             _stub(m, n, features(m)[1], inputs, None)
         try:
-            with recorder:
+            with recorder, _quiet_fake_errors():
                 out = module(*call_args, **call_kwargs)
         except Exception:  # any failure of the user's code under this setting rules the setting out
             return _Run(False, inputs, recorder)
@@ -516,24 +639,22 @@ def settle_region(
         if h % tp:
             kind = "attention heads" if h == heads[0] else "key/value heads (grouped-query attention)"
             raise Infeasible(f"tp={tp} does not divide the {h} {kind} of {fqn}; pick a tp dividing {h}")
-    splits: dict[str, int] = {}
-    for name, sizes in ref.recorder.splits.items():
-        if len(set(sizes)) > 1:
-            raise PlanFileError(
-                f"tensor parallelism: {fqn}.{name}'s output is split into unequal chunks {sizes}; per-head sharding "
-                f"of such a fused projection is not supported: give it style 'replicate'"
-            )
-        if sizes[0] % tp:
-            raise Infeasible(f"tensor parallelism: tp={tp} does not divide the chunks ({sizes[0]}) of {fqn}.{name}")
-        splits[name] = len(sizes)
+    splits: dict[str, tuple[int, ...]] = {}
+    for name, sizes in ref.recorder.chunks().items():
+        if any(c % tp for c in sizes):
+            raise Infeasible(f"tensor parallelism: tp={tp} does not divide the chunks {sizes} of {fqn}.{name}")
+        splits[name] = tuple(sizes)
     want = [tuple(d // tp if i == len(s) - 3 else d for i, d in enumerate(s)) for s in ref.recorder.attention]
     widths = {features(module.get_submodule(n))[1] for n in col} | {features(module.get_submodule(n))[0] for n in row}
-    widths |= {w // splits.get(n, 1) for n in col for w in [features(module.get_submodule(n))[1]]}
+    widths |= {c for sizes in splits.values() for c in sizes}
     values = set(heads) | widths | {width}
     # a key/value head count divides the query heads; the model may repeat K/V to the query heads before the
     # attention call (Falcon), so the call does not show it
-    values |= {v for _, v in _int_attrs(module) if heads and 1 < v < heads[0] and heads[0] % v == 0}
-    cands = [k for k, v in _int_attrs(module) if v in values and v % tp == 0]
+    kv = {v for _, v in _int_attrs(module) if heads and 1 < v < heads[0] and heads[0] % v == 0}
+    # attributes of a held settings object (a config shared by the whole model) only where they count heads
+    cands = [
+        k for k, v in _int_attrs(module) if v in (values | kv if "." not in k else set(heads) | kv) and v % tp == 0
+    ]
     original = dict(_int_attrs(module))
     proxies = [None] + ([width // tp] if width % tp == 0 else [])
     for proxy in proxies:
@@ -542,11 +663,11 @@ def settle_region(
                 attrs = {a: original[a] // tp for a in subset}
                 try:
                     for a, v in attrs.items():
-                        setattr(module, a, v)
+                        _set_attr(module, a, v)
                     run = _run(module, col, row, tp, width, proxy, call)
                 finally:
                     for a in subset:
-                        setattr(module, a, original[a])
+                        _set_attr(module, a, original[a])
                 if _consistent(run, ref, want, col, row, module, tp):
                     return Region(fqn, col, row, splits, attrs, proxy, heads, _dropout_shards(ref, run, tp))
     raise PlanFileError(
@@ -632,6 +753,8 @@ class _RegionDropout(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func not in _Recorder.SHAPE_READS:
+            args, kwargs = self.state.residual(args, kwargs, self.tp)
         if func is torch.nn.functional.dropout:
             return self._dropout(func, args, kwargs)
         if func is torch.nn.functional.scaled_dot_product_attention:
@@ -698,16 +821,78 @@ class _RegionDropout(TorchFunctionMode):
         keep = keep.narrow(-3, self.rank * probs.shape[-3], probs.shape[-3])
         return (probs * keep) @ v
 
-    @contextlib.contextmanager
-    def _rank_generator(self, device: torch.device) -> Any:
-        import hashlib
+    def _rank_generator(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return _rank_generator(device, self.rank, self.calls)
 
-        base = torch.cuda.initial_seed() if device.type == "cuda" else torch.initial_seed()
-        key = f"{base}/{self.rank}/{self.calls}".encode()
-        seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
-        with torch.random.fork_rng(devices=[device], device_type=device.type):
-            torch.manual_seed(seed)
-            yield
+
+@contextlib.contextmanager
+def _rank_generator(device: torch.device, rank: int, calls: int) -> Any:
+    """A generator forked from the default one and seeded per tp rank and call (Megatron's model-parallel RNG)."""
+    import hashlib
+
+    base = torch.cuda.initial_seed() if device.type == "cuda" else torch.initial_seed()
+    key = f"{base}/{rank}/{calls}".encode()
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+    with torch.random.fork_rng(devices=[device], device_type=device.type):
+        torch.manual_seed(seed)
+        yield
+
+
+class _SequenceDropout(TorchFunctionMode):
+    """Dropout in a layer on the sequence-parallel stretch (from the first sequence-sharded block to the head)
+    whose input is this rank's sequence chunk (its sequence dimension as long as the layer input's): BERT's and
+    T5's dropouts after a rowwise linear outside any region. On CPU the mask of the whole sequence is drawn, as one
+    device draws it, and the rank keeps its chunk; on CUDA a generator forked per tp rank draws the chunk's mask
+    (as _RegionDropout does). Region dropouts are handled by _RegionDropout, inside this mode: they reach here with
+    tensors of the whole sequence or of the rank's heads, and pass."""
+
+    def __init__(self, mesh: DeviceMesh, chunk: int) -> None:
+        super().__init__()
+        self.tp, self.rank, self.chunk = mesh.size(), mesh.get_local_rank(), chunk
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.dropout:
+            return func(*args, **kwargs)
+        bound = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
+        x, p, training = bound["input"], bound.get("p", 0.5), bound.get("training", True)
+        sharded = isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and not is_fake(x)
+        if not (sharded and training and p > 0 and x.dim() > SEQ_DIM and x.shape[SEQ_DIM] == self.chunk):
+            return func(*args, **kwargs)
+        self.calls += 1
+        if x.device.type != "cpu":
+            with _rank_generator(x.device, self.rank, self.calls):
+                return func(*args, **kwargs)
+        whole = list(x.shape)
+        whole[SEQ_DIM] *= self.tp
+        mask = func(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)
+        return x * mask.narrow(SEQ_DIM, self.rank * self.chunk, self.chunk)
+
+
+def _sequence_dropout(model: nn.Module, layers: list[str], start: str, mesh: DeviceMesh) -> None:
+    """Run each plan layer of this stage from the one holding `start` (the first sequence-sharded module) on under
+    _SequenceDropout, with the layer input's sequence length as the chunk."""
+    first = next((i for i, n in enumerate(layers) if start == n or start.startswith(n + ".")), None)
+    if first is None:
+        return
+    for name in layers[first:]:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(module, _FOREIGN):
+            continue
+        forward = module.forward
+
+        def wrapped(*args: Any, __forward: Any = forward, **kwargs: Any) -> Any:
+            x = args[0] if args else next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
+            if not isinstance(x, torch.Tensor) or x.dim() <= SEQ_DIM or isinstance(x, DTensor):
+                return __forward(*args, **kwargs)
+            with _SequenceDropout(mesh, x.shape[SEQ_DIM]):
+                return __forward(*args, **kwargs)
+
+        module.forward = wrapped
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -723,21 +908,44 @@ def _shard_place(dim: int, split_factor: int) -> Placement:
     return Shard(dim) if split_factor == 1 else _StridedShard(dim, split_factor=split_factor)
 
 
+def chunk_row_order(chunks: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Rows of a fused output cut into unequal chunks (Phi-3's q | k | v with fewer key/value heads), reordered so
+    that contiguous block r of tp holds rows r of every chunk: out[i] is the original row of reordered row i."""
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    return torch.cat(
+        [torch.arange(a + r * (c // tp), a + (r + 1) * (c // tp)) for r in range(tp) for a, c in zip(starts, chunks)]
+    )
+
+
 class LocalColwise(ParallelStyle):
     """Column-parallel nn.Linear / Conv1D inside a region: input a Replicate DTensor (prepared by the region),
-    output this rank's local columns; with split_factor k each of the k output chunks is sharded separately."""
+    output this rank's local columns. An output cut into k equal chunks has each chunk sharded separately (a
+    _StridedShard(split_factor=k) placement, so the global parameter keeps its layout). Unequal chunks have no
+    DTensor placement: the parameter's rows are reordered (chunk_row_order) and plainly sharded, and the order is
+    kept on the module (model_build.ROW_ORDER) for everything that reads or writes global values: initialisation,
+    gathers, checkpoints."""
 
-    def __init__(self, split_factor: int = 1) -> None:
+    def __init__(self, chunks: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.split_factor = split_factor
+        self.chunks = chunks
 
     def _partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        from mlm.runtime.model_build import ROW_ORDER
+
         wdim = 1 if is_conv1d(module) else 0
-        w = distribute_tensor(module.weight, mesh, [_shard_place(wdim, self.split_factor)])
-        module.register_parameter("weight", nn.Parameter(w))
-        if getattr(module, "bias", None) is not None:
-            b = distribute_tensor(module.bias, mesh, [_shard_place(0, self.split_factor)])
-            module.register_parameter("bias", nn.Parameter(b))
+        equal = len(set(self.chunks)) <= 1
+        order = None if equal else chunk_row_order(self.chunks, mesh.size())
+        split_factor = len(self.chunks) if equal and self.chunks else 1
+        for leaf, dim in (("weight", wdim), ("bias", 0)):
+            value = getattr(module, leaf, None)
+            if value is None:
+                continue
+            requires_grad = value.requires_grad
+            if order is not None:
+                value = value.detach().index_select(dim, order.to(value.device))
+                module.__dict__.setdefault(ROW_ORDER, {})[leaf] = (dim, order)
+            t = distribute_tensor(value.detach(), mesh, [_shard_place(dim, split_factor)])
+            module.register_parameter(leaf, nn.Parameter(t, requires_grad=requires_grad))
 
     @staticmethod
     def _input(_mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -979,11 +1187,14 @@ def gather_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def to_plain_shards(t: DTensor) -> DTensor:
+def to_plain_shards(t: DTensor, order: tuple[int, torch.Tensor] | None = None) -> DTensor:
     """The same global value with every _StridedShard(d) replaced by Shard(d): one contiguous chunk per rank, which
-    torch.distributed.checkpoint can describe (it writes overlapping chunks for _StridedShard). Collective."""
+    torch.distributed.checkpoint can describe (it writes overlapping chunks for _StridedShard); rows stored
+    reordered (`order`, model_build.row_order) back in their original order. Collective."""
+    from mlm.runtime.model_build import to_original_order
+
     plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements]
-    full = gather_full(t)
+    full = to_original_order(gather_full(t), order)
     local = full
     coord = t.device_mesh.get_coordinate()
     for i, p in enumerate(plain):
@@ -992,9 +1203,9 @@ def to_plain_shards(t: DTensor) -> DTensor:
     return DTensor.from_local(local.contiguous(), t.device_mesh, plain, shape=full.shape, stride=full.stride())
 
 
-def copy_from_plain_shards(dst: DTensor, src: DTensor) -> None:
-    """Write `src` (to_plain_shards' layout, e.g. as loaded from a checkpoint) into the strided DTensor `dst`."""
-    from mlm.runtime.model_build import local_shard
+def copy_from_plain_shards(dst: DTensor, src: DTensor, order: tuple[int, torch.Tensor] | None = None) -> None:
+    """Write `src` (to_plain_shards' layout, e.g. as loaded from a checkpoint) into the DTensor `dst`."""
+    from mlm.runtime.model_build import local_shard, to_stored_order
 
     with torch.no_grad():
-        dst.to_local().copy_(local_shard(src.full_tensor(), dst.device_mesh, dst.placements))
+        dst.to_local().copy_(local_shard(to_stored_order(src.full_tensor(), order), dst.device_mesh, dst.placements))

@@ -43,7 +43,9 @@ from mlm.runtime.model_build import (
     plan_layers,
     record_layer_calls,
     root_parameters,
+    row_order,
     tied_groups,
+    to_original_order,
 )
 from mlm.runtime.optim import (
     LossTokens,
@@ -511,7 +513,7 @@ def _resume(rt: Runtime, directory: Path) -> None:
         raise ckpt.CheckpointError(f"--resume {directory}: saved for another model file (sha256 differs)")
     if rt.opts.optimizer == "adamw":
         ckpt.init_optimizer_state(rt.optimizer)
-    ckpt.load(directory, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical))
+    ckpt.load(directory, *ckpt.training_state(rt.stages, rt.optimizer, rt.canonical))
     rt.start_step = int(meta["step"])
 
 
@@ -538,7 +540,8 @@ def save_checkpoint(rt: Runtime, step: int) -> None:
         "seed": rt.opts.seed,
         "optimizer": rt.opts.optimizer,
     }
-    ckpt.save(rt.opts.save, step, ckpt.training_state(rt.stages, rt.optimizer, rt.canonical), meta)
+    state, orders = ckpt.training_state(rt.stages, rt.optimizer, rt.canonical)
+    ckpt.save(rt.opts.save, step, state, meta, orders)
     rt.saved_step = step
 
 
@@ -742,6 +745,7 @@ def full_parameters(rt: Runtime) -> dict[str, torch.Tensor]:
     for st in rt.stages:
         for name, p in st.named_parameters(remove_duplicate=False):
             value = gather_full(p)  # not p.full_tensor(): torch 2.13 gathers strided (per-head) shards wrongly
+            value = to_original_order(value, row_order(st, name))
             if original_fqn(name) in rows:
                 assert experts is not None
                 value = gather_over_ep(value, experts)

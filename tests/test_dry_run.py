@@ -484,6 +484,10 @@ def test_a_diffusers_unet_at_tp2_runs_its_feed_forward_as_one_region(tmp_path: P
         # Qwen3's per-head q/k norms run on the rank's heads (style "heads"): their weights' gradients are summed
         # over tp once per step (no sharding existed with SP before; without it the attention ran replicated)
         ("qwen3", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
+        # BERT: its head transforms the residual (dense, GELU, LayerNorm) on the token shard before the vocabulary
+        # projection: those four parameters' gradients are summed over tp (priced 21, measured 23 before, and the
+        # LayerNorm's were not summed at all); its dry run failed to build before (a fake `.data =` assignment)
+        ("bert", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
     ],
 )
 def test_hugging_face_families_at_tp2_dry_run_as_priced(family: str, pins: tuple[str, ...], tmp_path: Path) -> None:
@@ -495,4 +499,6 @@ def test_hugging_face_families_at_tp2_dry_run_as_priced(family: str, pins: tuple
 
     argv = [str(MODELS / "zoo_families.py"), "--entry", "build", "--model-arg", f"family='{family}'"]
     plan = write_plan(tmp_path, family, [*argv, *pins, "--pp", "1", "--global-batch", "8", "--seq-len", "32"])
-    _assert_matches_plan(_dry_run_doc(plan), family, peak_rel=0.2)
+    # BERT's attention dropout: on fake CPU tensors SDPA runs its math kernel, which saves the probabilities that
+    # a GPU's fused kernel does not (measured +26% here; -12% with its attention dropout set to 0)
+    _assert_matches_plan(_dry_run_doc(plan), family, peak_rel=0.3 if family == "bert" else 0.2)

@@ -54,6 +54,28 @@ def test_resume_is_bitwise_and_loads_under_other_layouts(tmp_path: Path) -> None
     assert not list(tmp_path.glob("*.tmp-*")) and not list(tmp_path.glob("*.old"))
 
 
+def test_a_fused_projection_with_reordered_rows_saves_in_the_model_order(tmp_path: Path) -> None:
+    """Phi-3's qkv_proj at tp2 is stored with its rows reordered (each rank's q, k and v rows contiguous); the
+    checkpoint holds the model's order, so a tp2 run saved at step 3 and resumed in one process continues as one
+    process does (AdamW state included)."""
+    from test_zoo import _fp32_plan
+
+    tp2, single = _fp32_plan("phi3", 2, 1), _fp32_plan("phi3", 1, 1)
+    first_half = dataclasses.replace(BASE, steps=3, lr_decay_steps=6, save=tmp_path / "ck")
+    run_workers(2, _runs, [(tp2, first_half)])
+    straight, resumed = (
+        _merge(r, 0)
+        for r in (
+            run_workers(1, _runs, [(single, BASE)]),
+            run_workers(1, _runs, [(single, dataclasses.replace(BASE, resume=tmp_path / "ck"))]),
+        )
+    )
+    assert resumed[2] == 3
+    assert resumed[0] == pytest.approx(straight[0][3:], abs=1e-5)
+    for name, value in straight[1].items():
+        torch.testing.assert_close(resumed[1][name], value, atol=1e-3, rtol=0)
+
+
 def _save_then_fail(rank: int, plan: Any, opts: RunOptions) -> str:
     from mlm.runtime import checkpoint as ckpt
 

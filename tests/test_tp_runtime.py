@@ -275,12 +275,57 @@ def test_tp_must_divide_the_key_value_heads() -> None:
     assert len(_regions(LLAMA_FILE, LLAMA_ARGS, LLAMA_TP, 2)) == 8  # attention and MLP of 4 blocks
 
 
+EDGE = Path(__file__).parent / "models" / "tp_attention_edge.py"
+
+
+def _planned(file: Path, tp: int) -> Any:
+    """mlm-plan's plan for `file` pinned to tp (one process per tp rank), run in fp32."""
+    import dataclasses
+
+    from mlm.planner.capture.loader import load_model_spec
+    from mlm.planner.capture.trace import capture
+    from mlm.planner.search.layouts import PlanRequest
+    from mlm.planner.search.make_plan import make_plan as plan_for
+
+    spec = load_model_spec(str(file), "build_model", {})
+    pins = dict(tp=tp, pp=1, dp=1, micro_batch=2, vpp=1, recompute="none", sequence_parallel=False, zero=0)
+    plan = plan_for(spec, capture(spec, seq_len=SEQ), PlanRequest(num_gpus=tp, global_batch=4, **pins)).plan
+    return dataclasses.replace(plan, training=dataclasses.replace(plan.training, dtype="fp32"))
+
+
+EDGE_TP = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}
+
+
 def test_head_count_held_outside_the_module_is_a_clear_error() -> None:
-    edge = Path(__file__).parent / "models" / "tp_attention_edge.py"
-    tp_map = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise"}
     with pytest.raises(PlanError, match=r"no per-rank setting .*blocks.0.attn.* 2 heads per rank") as err:
-        _regions(edge, {}, tp_map, 2)
+        _regions(EDGE, {"heads_from": "module_constant"}, EDGE_TP, 2)
     assert "\n" not in str(err.value)
+
+
+def test_unequal_fused_chunks_and_config_held_heads_run_on_local_heads() -> None:
+    """A fused q | k | v cut into unequal chunks (4 query, 2 key/value heads of 8) by `split` with sizes computed
+    from a shared config object: each rank gets its rows of every chunk and its attention a config of its own with
+    2 query and 1 key/value heads; the model's config is left as it was. At tp2 (a plan mlm-plan wrote), 3 SGD
+    steps with every parameter, biases of the reordered rows included, against one process (AdamW: Phi-3 in
+    test_zoo; AdamW would amplify float noise in the key bias, whose gradient is zero)."""
+    from mlm.planner.capture.loader import load_model_spec
+    from mlm.runtime.tensor_parallel import expand_tp_map, find_regions
+
+    model = load_model_spec(str(EDGE), "build_model", {}).factory()
+    regions = find_regions(model, expand_tp_map(EDGE_TP, [n for n, _ in model.named_modules() if n]), 2, None)
+    assert [(r.attrs, r.splits) for r in regions] == [
+        ({"cfg.n_head": 2, "cfg.n_kv": 1}, {f"blocks.{i}.attn.qkv": (32, 16, 16)}) for i in range(2)
+    ]
+    assert (model.blocks[0].attn.cfg.n_head, model.blocks[0].attn.cfg.n_kv) == (4, 2)  # the check restores them
+
+    opts = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0)
+    one, two = (_planned(EDGE, tp) for tp in (1, 2))
+    assert two.tensor_parallel["blocks.0.attn.qkv"] == "colwise"
+    ref_losses, ref_params = merged(run_workers(1, train_runs, [(one, opts)]), 0)
+    losses, params = merged(run_workers(2, train_runs, [(two, opts)]), 0)
+    assert losses == pytest.approx(ref_losses, abs=ATOL)
+    for name, ref in ref_params.items():
+        assert _max((params[name] - ref).abs()) <= ATOL, name
 
 
 def test_manual_attention_gets_per_rank_attributes() -> None:
@@ -294,7 +339,7 @@ def test_manual_attention_gets_per_rank_attributes() -> None:
     for r in attn:
         assert r.attrs == {"n_head": 2, "n_embd": HIDDEN // 2}
         assert r.proxy_width == HIDDEN // 2
-        assert r.splits == {f"{r.fqn}.c_attn": 3}
+        assert r.splits == {f"{r.fqn}.c_attn": (HIDDEN, HIDDEN, HIDDEN)}
 
 
 def test_strided_parameters_convert_for_checkpoints(measured: dict) -> None:

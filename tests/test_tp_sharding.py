@@ -11,6 +11,8 @@ from conftest import MODELS
 from mlm.planner.capture.loader import load_model_spec
 from mlm.planner.capture.trace import capture
 from mlm.planner.errors import Infeasible, PlanError
+from mlm.planner.search.layouts import PlanRequest
+from mlm.planner.search.make_plan import make_plan
 from mlm.planner.search.tp_sharding import TPCost, _classify_nodes, plan_tensor_parallel
 
 TP_MODELS = str(MODELS / "tp_models.py")
@@ -265,6 +267,9 @@ def test_attention_with_a_constant_that_spans_every_head_stays_replicated() -> N
         "layer.1.DenseReluDense.wi": "colwise",
         "layer.1.DenseReluDense.wo": "rowwise",
     }
+    assert any(
+        "layer.0.SelfAttention reads a tensor of shape (1, 4, 16, 16)" in n for n in plan_tensor_parallel(ir, 2).notes
+    )
 
     swin = capture(load_model_spec(HF_MODELS.replace("hf_models.py", "hf_swin.py")), seq_len=16)
     styles = plan_tensor_parallel(swin, tp=2).styles
@@ -335,5 +340,11 @@ def test_a_weight_read_on_the_heads_is_split_only_when_it_broadcasts_over_them(p
     attn = "blocks.0.attn"
     if per_head_rows:
         assert styles[f"{attn}.qkv"] == "replicate" and f"{attn}" not in styles
+        # and the plan says so, once for both blocks, naming what holds it (a plan warning)
+        request = PlanRequest(num_gpus=2, tp=2, pp=1, global_batch=4)
+        warnings = make_plan(load_model_spec(str(path), args={"per_head_rows": True}), ir, request).plan.warnings
+        said = [w for w in warnings if "attention runs on all heads" in w]
+        assert len(said) == 1 and said[0].startswith("blocks.0 and 1 more layer like it") and "(4, 16)" in said[0]
     else:
         assert styles[f"{attn}.qkv"] == "colwise" and styles[attn] == "heads"
+        assert not plan_tensor_parallel(ir, 2).notes

@@ -121,14 +121,15 @@ def test_unet_convolutions_are_priced_and_it_plans_data_parallel() -> None:
 
 def _fp32_plan(family: str, tp: int, pp: int):
     """The planner's own plan for `family` (pinned to tp x pp, one row per micro-batch), run in fp32. A family
-    named "<family>+cache" keeps transformers' default use_cache=True."""
+    named "<family>+cache" keeps transformers' default use_cache=True; "<family>+sp" has sequence parallelism."""
     import dataclasses
 
-    name, _, cache = family.partition("+")
-    args = {"family": name, **({"default_cache": True} if cache else {})}
+    name, _, option = family.partition("+")
+    args = {"family": name, **({"default_cache": True} if option == "cache" else {})}
     spec = load_model_spec(str(MODELS / "zoo_families.py"), "build", args)
     ir = capture(spec, seq_len=16)
-    pins = dict(tp=tp, pp=pp, dp=1, micro_batch=1, vpp=1, recompute="none", sequence_parallel=False, zero=0)
+    sp = option == "sp" and tp > 1
+    pins = dict(tp=tp, pp=pp, dp=1, micro_batch=1, vpp=1, recompute="none", sequence_parallel=sp, zero=0)
     plan = make_plan(spec, ir, PlanRequest(num_gpus=tp * pp, global_batch=4, **pins)).plan
     return dataclasses.replace(plan, training=dataclasses.replace(plan.training, dtype="fp32"))
 
@@ -141,21 +142,26 @@ def _losses(_rank: int, runs: list) -> list[list[float]]:
 
 def test_zoo_subset_trains_what_one_process_trains() -> None:
     """mlm-run on plans mlm-plan wrote: Qwen3 (per-head q/k norms, GQA) and Falcon (grouped kv) at tp2, GPT-NeoX
-    (fused QKV, partial rotary) and Phi-3 (fused qkv_proj and gate_up_proj) at pp2 — the rotary table each HF
-    decoder computes once in its root runs on both stages — and Qwen2 with transformers' default use_cache=True at
+    (fused QKV, partial rotary) at pp2 — the rotary table each HF decoder computes once in its root runs on both
+    stages — Phi-3 at tp2 (its fused qkv_proj is cut into unequal q | k | v chunks by slicing at offsets it reads
+    from the shared config: each rank holds its rows of each chunk, and its attention its own copy of the config
+    with per-rank head counts; mlm-run refused it before), and Qwen2 with transformers' default use_cache=True at
     tp2 (its KV-cache update crashed on tensor-parallel tensors before the runtime turned the cache off for
     training), and Gemma 2 at tp2, whose embedding subclass scales the lookup by sqrt(hidden) (the vocabulary-parallel
-    lookup replaced that forward and dropped the scale: first loss 4.8498 against 4.8505) against one process, 3
-    steps, SGD and AdamW. Falcon's linears compute x @ W.T, which capture now reads as linears, so its heads are
-    split (they were priced and run replicated)."""
+    lookup replaced that forward and dropped the scale: first loss 4.8498 against 4.8505), and BERT at tp2 with
+    sequence parallelism and its dropouts on (its attention module adds its own input to the reduce-scattered
+    output: that add reads the rank's chunk of the input; the dropout after its MLP's rowwise linear, outside any
+    region, draws one device's mask; its head's LayerNorm on the token shard has its gradient summed over tp; each
+    of the three failed or differed before) against one process, 3 steps, SGD and AdamW. Falcon's linears compute
+    x @ W.T, which capture now reads as linears, so its heads are split (they were priced and run replicated)."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
 
     sgd = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
     adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
-    cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 1, 2, adamw)]
-    cases += [("qwen2+cache", 2, 1, sgd), ("gemma2", 2, 1, adamw)]
+    cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 2, 1, adamw)]
+    cases += [("qwen2+cache", 2, 1, sgd), ("gemma2", 2, 1, adamw), ("bert+sp", 2, 1, adamw)]
     reference = run_workers(1, _losses, [(_fp32_plan(f, 1, 1), o) for f, _, _, o in cases])[0]
     split = run_workers(2, _losses, [(_fp32_plan(f, tp, pp), o) for f, tp, pp, o in cases])[0]
     for (family, *_), want, got in zip(cases, reference, split, strict=True):

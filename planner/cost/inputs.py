@@ -319,7 +319,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         fixed, fwd = fwd, (0, 0.0)
     if kind == "loss" and _vocabulary_head(ir):  # loss_parallel over the vocabulary-parallel logits
         fixed = (LOSS_REDUCTIONS, LOSS_REDUCTIONS * FP32_BYTES * ir.seq_len)  # one float per token
-    sp_count, sp_elems = _sequence_parallel_params(layer, tags)
+    sp_count, sp_elems = _sequence_parallel_params(layer, tags, ir.vocab_size)
     head_count, head_elems = _head_params(layer, tags)
     tail = int(kind == "block" and fwd[0] > 0 and _saves_after_last_reduction(layer, tags))
     sharded = a.sharded if kind != "loss" else a.sharded + a.replicated
@@ -528,11 +528,22 @@ def _resplit(layer: LayerIR, a: Activations, tags: dict[str, str]) -> Activation
     )
 
 
-def _sequence_parallel_params(layer: LayerIR, tags: dict[str, str]) -> tuple[int, float]:
+def _sequence_parallel_params(layer: LayerIR, tags: dict[str, str], vocab_size: int = 0) -> tuple[int, float]:
     """(tensors, elements) of the parameters that runtime/tensor_parallel.py gives SequenceParallel under SP: those
     read by a final norm layer, those read by a block's residual-stream ops (outside the tp regions: norms), and
-    a replicated linear's (one that neither reads nor writes a split tensor: it computes the token shard)."""
+    a replicated linear's (one that neither reads nor writes a split tensor: it computes the token shard); in a
+    head layer, those read before the vocabulary projection (BERT's transform: a replicated linear and a norm on
+    the token shard; a head that is one linear, a layer of its own, reads its input whole)."""
     g = layer.ops
+    if g is not None and layer.kind == "head":
+
+        def on_shard(_n: str, d: dict) -> bool:
+            if d.get("kind") == "linear":
+                module = d.get("module") or ""
+                return module != layer.name and not (vocab_size and d["shape"] and d["shape"][-1] == vocab_size)
+            return d.get("kind") == "norm"
+
+        return _params_read(layer, on_shard)
     if g is None or layer.kind not in ("block", "norm"):
         return 0, 0.0
 

@@ -89,7 +89,7 @@ def make_plan(
     plan = build_plan(
         spec, ir, best.layout, best.evaluation, best.assignment, gpu, cluster, sharding.styles, alts, inputs
     )
-    warnings = [*assumptions, *getattr(ir, "warnings", ()), *notes]
+    warnings = [*assumptions, *getattr(ir, "warnings", ()), *notes, *sharding.notes]
     pinned = [d for d in DIMENSIONS if d in _pinned(request)]
     plan = replace(plan, pinned=pinned, warnings=list(dict.fromkeys(warnings)))
     summary = {

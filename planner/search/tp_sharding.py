@@ -40,8 +40,8 @@ all-reduce 2 (tp-1)/tp N bytes, all-gather and reduce-scatter (tp-1)/tp N (backw
 What the runtime executes (runtime/tensor_parallel.py) for these styles: a block's attention and MLP modules are
 tensor-parallel regions whose input is gathered once (the shared gather above), colwise linears return this rank's
 columns as local tensors and attention runs on local heads; a colwise linear whose output is split into equal
-chunks (fused q|k|v, gate|up; shard_splits) is sharded per chunk, so "colwise" needs no separate fused style.
-Unequal chunks (fused q|k|v under grouped-query attention) the runtime rejects with one line.
+chunks (fused q|k|v, gate|up; shard_splits) is sharded per chunk, so "colwise" needs no separate fused style;
+unequal chunks (a fused q|k|v under grouped-query attention, Phi-3's qkv_proj) too, with the rows reordered.
 
 Capture marks the ops that read the block's input (`reads_input`) and those that do not depend on the batch
 (`constant`). For graphs without those marks, which ops read the input is inferred: roots of full activation size,
@@ -164,6 +164,7 @@ class TPSharding:
     solve_seconds: float = 0.0
     solver: str = ""
     explanation: str = ""
+    notes: tuple[str, ...] = ()  # what a user should know (attention left replicated, and why): plan warnings
 
     def block_collectives(self, ir: ModelIR) -> tuple[Collective, ...]:
         blocks = ir.blocks
@@ -218,7 +219,7 @@ def plan_tensor_parallel(
     layouts: dict[str, tuple[str, str]] = {}
     splits: dict[str, tuple[int, ...]] = {}
     states: dict[str, dict[str, str]] = {}
-    notes: list[str] = []
+    notes: dict[str, list[str]] = {}  # note -> the layers it is about
     solved: dict[int, tuple[LayerIR, _BlockSolution]] = {}
     for layer in ir.layers:
         if layer.kind == "embedding":
@@ -230,6 +231,12 @@ def plan_tensor_parallel(
             for op in layer.linears:
                 vocab = op.out_features == ir.vocab_size and op.out_features % tp == 0
                 styles[op.fqn] = "vocab" if vocab and tp > 1 else "replicate"
+            if sequence_parallel and tp > 1 and layer.ops is not None:
+                # a head that transforms the residual before its projection (BERT's dense, GELU, LayerNorm) runs
+                # that on the token shard: its norms are sequence-parallel (their gradients summed over tp)
+                for _, d in layer.ops.nodes(data=True):
+                    if d["kind"] == "norm" and d["module"] and not d.get("constant"):
+                        styles[d["module"]] = "sequence"
         elif layer.kind == "norm":
             if sequence_parallel and tp > 1:
                 styles[layer.name] = "sequence"
@@ -238,8 +245,9 @@ def plan_tensor_parallel(
             if key not in solved:
                 sol = _solve_layer(layer, ir, tp, sequence_parallel, solver, time_limit_s, allow_gather, cost)
                 solved[key] = (layer, sol)
-                notes.extend(f"{layer.name}: {n}" for n in sol.notes)
             owner, sol = solved[key]
+            for note in sol.notes:
+                notes.setdefault(note, []).append(layer.name)
             rename = _renamer(owner.name, layer.name)
             styles.update({rename(m): s for m, s in sol.styles.items()})
             layouts.update({rename(m): lay for m, lay in sol.layouts.items()})
@@ -259,8 +267,14 @@ def plan_tensor_parallel(
         states=states,
         solve_seconds=elapsed,
         solver=solver,
+        notes=tuple(_about(layers, note) for note, layers in notes.items()),
     )
-    return _with_explanation(result, ir, notes)
+    return _with_explanation(result, ir, list(result.notes))
+
+
+def _about(layers: list[str], note: str) -> str:
+    more = f" and {len(layers) - 1} more layer{'s' * (len(layers) > 2)} like it" if len(layers) > 1 else ""
+    return f"{layers[0]}{more}: {note}"
 
 
 def _renamer(owner: str, name: str):
@@ -404,6 +418,7 @@ class _Model:
             (n, i): self.binary(f"x_{j}_{i}") for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))
         }
         self.gathered: dict[str, pulp.LpVariable] = {}
+        self.pinned_whole: dict[str, tuple[int, ...]] = {}  # op -> the shape of its operand that spans the heads
 
     def binary(self, name: str) -> pulp.LpVariable:
         add = getattr(self.prob, "add_variable", None)  # PuLP >= 3.3; plain LpVariable is deprecated there
@@ -452,9 +467,11 @@ class _Model:
         mlm-run does not slice a module's internal tensors. Rotary tables and masks have size 1 there."""
         for v in self.nodes:
             d = self.g.nodes[v]
-            spans = [_spans_split_dim(c, tuple(d["shape"]), self.heads) for c in d.get("constant_operands", ())]
-            if d["kind"] != "linear" and any(spans):
+            spans = [c for c in d.get("constant_operands", ()) if _spans_split_dim(c, tuple(d["shape"]), self.heads)]
+            if d["kind"] != "linear" and spans:
                 self.prob += self.state_in(v, S) == 0, f"full_constant_{v}"
+                if len(d["shape"]) == 4:  # on the heads (a norm's weight on features is no reason to explain)
+                    self.pinned_whole[v] = tuple(spans[0])
 
     def shared_gather(self) -> None:
         for n in self.nodes:
@@ -574,7 +591,27 @@ def _solve_layer(
             )
         choice = {n: next(i for i in range(len(m.strategies[n])) if (m.x[n, i].value() or 0) > 0.5) for n in m.nodes}
         gathered = {u for u, v in m.gathered.items() if (v.value() or 0) > 0.5}
+        if attention and m.heads_ok:
+            notes.extend(_replicated_attention(m, choice, layer.name))
     return _read_solution(m, choice, gathered, ir, notes)
+
+
+def _replicated_attention(m: _Model, choice: dict[str, int], block: str) -> list[str]:
+    """Why attention that could run on local heads runs whole on every tp rank, in one line (or nothing)."""
+    whole = [n for n in m.nodes if m.g.nodes[n]["kind"] == "attention" and m.strategies[n][choice[n]].out == R]
+    if not whole:
+        return []
+    blocked = [(m.g.nodes[v]["module"] or v, shape) for v, shape in m.pinned_whole.items()]
+    if blocked:
+        where, shape = blocked[0]
+        where = where[len(block) + 1 :] if where.startswith(block + ".") else where
+        why = (
+            f"{where} reads a tensor of shape {shape} that spans the heads, which a rank holding some of the "
+            f"heads cannot broadcast against and mlm-run does not slice"
+        )
+    else:
+        why = "running it on local heads would cost more (collectives, state) than it saves under this cost model"
+    return [f"attention runs on all heads on every tp rank (its linears replicated): {why}"]
 
 
 def _read_solution(

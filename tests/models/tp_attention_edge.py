@@ -1,5 +1,7 @@
-"""An attention whose head count lives in a config object, not in an integer attribute of the module: the
-tensor-parallel region check finds no per-rank setting and must say so in one line."""
+"""Grouped-query attention with one fused q | k | v projection cut into unequal chunks (MPT's and ChatGLM's
+`qkv.split([q, kv, kv])`), its head counts read from a config object the model shares (as Hugging Face
+attention reads `self.config`), or, with `heads_from="module_constant"`, from constants outside any object the
+tensor-parallel region check can set (it must then say so in one line)."""
 
 from __future__ import annotations
 
@@ -9,18 +11,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+N_HEAD, N_KV = 4, 2  # the heads_from="module_constant" variant's head counts
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: SimpleNamespace) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, (cfg.n_head + 2 * cfg.n_kv) * cfg.head_dim)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (y.view(b, t, self.cfg.n_head, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
-        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
+        heads, kv = (self.cfg.n_head, self.cfg.n_kv) if self.cfg.heads_from == "config" else (N_HEAD, N_KV)
+        d = self.cfg.head_dim
+        q, k, v = self.qkv(x).split([heads * d, kv * d, kv * d], dim=-1)
+        q = q.view(b, t, -1, d).transpose(1, 2)
+        k, v = (y.view(b, t, -1, d).transpose(1, 2).repeat_interleave(heads // kv, dim=1) for y in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):
@@ -47,5 +56,6 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build_model(dim: int = 32, n_head: int = 4, n_layer: int = 2, vocab: int = 64) -> nn.Module:
-    return Net(SimpleNamespace(dim=dim, n_head=n_head, n_layer=n_layer, vocab=vocab))
+def build_model(dim: int = 32, n_layer: int = 2, vocab: int = 64, heads_from: str = "config") -> nn.Module:
+    cfg = SimpleNamespace(dim=dim, n_head=N_HEAD, n_kv=N_KV, head_dim=dim // N_HEAD, n_layer=n_layer, vocab=vocab)
+    return Net(SimpleNamespace(**vars(cfg), heads_from=heads_from))

@@ -24,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.loader import ModelSpec, for_training, instantiate, load_model_spec
@@ -487,6 +488,23 @@ def _init_functions_recorded(recorder: _InitRecorder) -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+_DATA_SET = torch.Tensor.data.__set__  # type: ignore[attr-defined]  # a fresh method-wrapper per access: compare with ==
+
+
+class _MetaDataAssignment(TorchFunctionMode):
+    """Under the dry run's FakeTensorMode, `param.data = value` (transformers pads a tied head's bias so) on one of
+    our meta parameters assigns a meta tensor of the value's geometry: a fake value computed from the parameter
+    carries the device's dispatch keys, which set_data refuses on a meta tensor, and values do not matter here."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func == _DATA_SET and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            target, value = args
+            if torch._C._dispatch_keys(target).has(torch._C.DispatchKey.Meta):  # ours: meta parameters
+                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+                return func(target, value)
+        return func(*args, **(kwargs or {}))
+
+
 class _ValuesReadAsZero(TorchDispatchMode):
     """Under the dry run's FakeTensorMode, where values do not matter, a value that initialisation code reads
     (trunc_normal_'s rejection loop asks whether any sample is still out of range) is 0: a fake tensor has none."""
@@ -521,12 +539,8 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
         if seen is not None and seen[0]() is param:
             return original(module, name, seen[1])
         data = param.detach()
-        # under the dry run's FakeTensorMode a fake tensor on the parameter's device (it holds no memory either):
-        # a fake "meta" one would take the device's dispatch keys from the __dict__ copied below but keep meta's in
-        # C++, and `param.data = f(param.data)` (transformers' _adjust_bias) would fail as an incompatible type
-        device = data.device if _fake_mode_active() else torch.device("meta")
         meta = nn.Parameter(
-            torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device=device),
+            torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta"),
             requires_grad=param.requires_grad,
         )
         meta.__dict__.update(param.__dict__)
@@ -544,7 +558,11 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         if recorder is None:
-            with _ValuesReadAsZero() if _fake_mode_active() else contextlib.nullcontext():
+            fake = _fake_mode_active()
+            with (
+                _ValuesReadAsZero() if fake else contextlib.nullcontext(),
+                _MetaDataAssignment() if fake else (contextlib.nullcontext()),
+            ):
                 yield
         else:
             with recorder, _init_functions_recorded(recorder):

@@ -267,9 +267,7 @@ class _RegionInput:
         kind = x.device.type
         self.local = None
         if isinstance(self.seq, Shard):
-            self.local = weakref.ref(
-                x.to_local() if isinstance(x, DTensor) and tuple(x.placements) == (self.seq,) else x
-            )
+            self.local = weakref.ref(x)  # a DTensor's local view is taken when read (a fresh object dies at once)
         if torch.is_autocast_enabled(kind) and x.is_floating_point():  # gather in the dtype the linears compute in
             x = x.to(torch.get_autocast_dtype(kind))
         if not isinstance(x, DTensor):

@@ -195,8 +195,9 @@ def apply_tensor_parallel(
     for name in modified_in_place:
         if concrete.get(name) == "rowwise":
             model.get_submodule(name).register_forward_hook(_fresh_output)
+    shared = _SharedInput()
     for region in regions:
-        region.install(model, mesh, seq)
+        region.install(model, mesh, seq, shared)
     _retie(model, ties, set(concrete))
     if sequence_parallel and sequence_start is not None:
         _scatter_sequence(model, sequence_start, mesh)
@@ -224,12 +225,12 @@ class Region:
     heads: tuple[int, ...] = ()  # heads of each attention call's q, k, v, unsharded
     dropouts: tuple[DropoutShard, ...] = ()  # how each F.dropout call's input is sharded, in call order
 
-    def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement) -> None:
+    def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement, shared: _SharedInput | None = None) -> None:
         module = model.get_submodule(self.fqn)
         _own_settings(module, self.attrs)
         for name, value in self.attrs.items():
             _set_attr(module, name, value)
-        state = _RegionInput(mesh, seq, self.proxy_width)
+        state = _RegionInput(mesh, seq, self.proxy_width, shared or _SharedInput())
         module.register_forward_pre_hook(state.prepare, with_kwargs=True)
         module.register_forward_hook(state.clear)
         _draw_dropout_as_one_device(module, self.dropouts, mesh, state)
@@ -246,11 +247,30 @@ def _input_keyword(kwargs: dict) -> str | None:
     return next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
+class _SharedInput:
+    """The last region input prepared in this stage and what it was prepared into, both held weakly: regions that
+    read the same tensor (GPT-J's and Phi-2's attention and MLP, in parallel off one norm) share one all-gather
+    under SP (one reduce-scatter of the summed gradient backward), or one all-reduce of the gradient without it,
+    as the cost model's shared gather prices."""
+
+    def __init__(self) -> None:
+        self.key: weakref.ref | None = None
+        self.value: weakref.ref | None = None
+
+    def get(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.key is None or self.value is None or self.key() is not x:
+            return None
+        return self.value()
+
+    def put(self, x: torch.Tensor, prepared: torch.Tensor) -> None:
+        self.key, self.value = weakref.ref(x), weakref.ref(prepared)
+
+
 class _RegionInput:
     """Per-region forward state: the prepared input, and the narrow view handed to the module in proxy mode."""
 
-    def __init__(self, mesh: DeviceMesh, seq: Placement, proxy_width: int | None) -> None:
-        self.mesh, self.seq, self.proxy_width = mesh, seq, proxy_width
+    def __init__(self, mesh: DeviceMesh, seq: Placement, proxy_width: int | None, shared: _SharedInput) -> None:
+        self.mesh, self.seq, self.proxy_width, self.shared = mesh, seq, proxy_width, shared
         self.full: DTensor | None = None
         self.proxy: torch.Tensor | None = None
         self.seq_len: int | None = None  # the region input's global sequence length (for dropout shards)
@@ -268,12 +288,19 @@ class _RegionInput:
         self.local = None
         if isinstance(self.seq, Shard):
             self.local = weakref.ref(x)  # a DTensor's local view is taken when read (a fresh object dies at once)
-        if torch.is_autocast_enabled(kind) and x.is_floating_point():  # gather in the dtype the linears compute in
-            x = x.to(torch.get_autocast_dtype(kind))
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, self.mesh, [self.seq], run_check=False)
-        if tuple(x.placements) != (Replicate(),):
-            x = x.redistribute(self.mesh, [Replicate()])
+        came = x
+        cast = torch.is_autocast_enabled(kind) and x.is_floating_point()
+        reused = self.shared.get(came)
+        if reused is not None and (not cast or reused.dtype == torch.get_autocast_dtype(kind)):
+            x = reused
+        else:
+            if cast:  # gather in the dtype the linears compute in
+                x = x.to(torch.get_autocast_dtype(kind))
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, self.mesh, [self.seq], run_check=False)
+            if tuple(x.placements) != (Replicate(),):
+                x = x.redistribute(self.mesh, [Replicate()])
+            self.shared.put(came, x)
         self.seq_len = x.shape[SEQ_DIM] if x.dim() > SEQ_DIM else None
         if self.proxy_width is not None:
             self.full = x

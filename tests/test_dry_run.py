@@ -488,6 +488,8 @@ def test_a_diffusers_unet_at_tp2_runs_its_feed_forward_as_one_region(tmp_path: P
         # projection: those four parameters' gradients are summed over tp (priced 21, measured 23 before, and the
         # LayerNorm's were not summed at all); its dry run failed to build before (a fake `.data =` assignment)
         ("bert", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
+        # Phi-2: attention and MLP read one LayerNorm's output; one all-gather feeds both regions (two ran before)
+        ("phi", ("--gpus", "2", "--tp", "2", "--sequence-parallel")),
     ],
 )
 def test_hugging_face_families_at_tp2_dry_run_as_priced(family: str, pins: tuple[str, ...], tmp_path: Path) -> None:

@@ -348,3 +348,21 @@ def test_a_weight_read_on_the_heads_is_split_only_when_it_broadcasts_over_them(p
     else:
         assert styles[f"{attn}.qkv"] == "colwise" and styles[attn] == "heads"
         assert not plan_tensor_parallel(ir, 2).notes
+
+
+def test_flattened_tokens_and_folded_heads_are_refused_or_explained() -> None:
+    """OPT flattens (batch, seq) into one dimension before its MLP: sequence parallelism's token shard (a slice of
+    each sequence) cannot follow it, so with SP there is no sharding, and the error says why (the runtime failed in
+    DTensor's layer norm before); without SP its heads split. XGLM computes its scores on (batch x heads, s, s):
+    its attention stays replicated, and the plan's note says why."""
+    opt = capture(load_model_spec(str(MODELS / "hf_zoo.py"), "build_opt"), seq_len=16)
+    with pytest.raises(Infeasible, match="flattens batch and sequence"):
+        plan_tensor_parallel(opt, 2, sequence_parallel=True)
+    styles = plan_tensor_parallel(opt, 2).styles
+    assert styles["model.decoder.layers.0.self_attn.q_proj"] == "colwise"
+
+    xglm = capture(load_model_spec(str(MODELS / "hf_zoo.py"), "build_xglm"), seq_len=16)
+    r = plan_tensor_parallel(xglm, 2)
+    assert r.styles["model.layers.0.self_attn.q_proj"] == "replicate"
+    assert r.styles["model.layers.0.fc1"] == "colwise"
+    assert len(r.notes) == 1 and "folded into the batch dimension" in r.notes[0], r.notes

@@ -152,7 +152,9 @@ def test_zoo_subset_trains_what_one_process_trains() -> None:
     sequence parallelism and its dropouts on (its attention module adds its own input to the reduce-scattered
     output: that add reads the rank's chunk of the input; the dropout after its MLP's rowwise linear, outside any
     region, draws one device's mask; its head's LayerNorm on the token shard has its gradient summed over tp; each
-    of the three failed or differed before) against one process, 3 steps, SGD and AdamW. Falcon's linears compute
+    of the three failed or differed before), and Phi-2 at tp2 with SP (attention and MLP read one norm's output:
+    one all-gather feeds both, one reduce-scatter returns their summed gradient) against one process, 3 steps, SGD
+    and AdamW. Falcon's linears compute
     x @ W.T, which capture now reads as linears, so its heads are split (they were priced and run replicated)."""
     from test_runtime_harness import run_workers
 
@@ -161,7 +163,7 @@ def test_zoo_subset_trains_what_one_process_trains() -> None:
     sgd = RunOptions(steps=3, optimizer="sgd", lr=0.5, seed=0, max_grad_norm=0.5)
     adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
     cases = [("qwen3", 2, 1, sgd), ("falcon", 2, 1, adamw), ("gpt_neox", 1, 2, sgd), ("phi3", 2, 1, adamw)]
-    cases += [("qwen2+cache", 2, 1, sgd), ("gemma2", 2, 1, adamw), ("bert+sp", 2, 1, adamw)]
+    cases += [("qwen2+cache", 2, 1, sgd), ("gemma2", 2, 1, adamw), ("bert+sp", 2, 1, adamw), ("phi+sp", 2, 1, sgd)]
     reference = run_workers(1, _losses, [(_fp32_plan(f, 1, 1), o) for f, _, _, o in cases])[0]
     split = run_workers(2, _losses, [(_fp32_plan(f, tp, pp), o) for f, tp, pp, o in cases])[0]
     for (family, *_), want, got in zip(cases, reference, split, strict=True):

@@ -192,7 +192,10 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
             costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[:first]])
-    pre = replace(pre, sp_gather_bytes=ir.layers[first - 1].output_bytes if first > 0 else 0.0)
+    # SP's scatter of the first block's input: its backward all-gathers that input's gradient (the hidden state,
+    # not the output of whatever layer runs last before the block: a rotary table's in Hugging Face decoders)
+    entry = ir.layers[first].activations.layer_input if first > 0 else 0.0
+    pre = replace(pre, sp_gather_bytes=entry or (ir.layers[first - 1].output_bytes if first > 0 else 0.0))
     post = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[last + 1 :] if x.kind != "block"])
     head = [
         op.in_features * op.out_features

@@ -394,6 +394,11 @@ class _Model:
         self.tp, self.sp, self.cost = tp, sp, cost
         self.r0 = Q if sp else R
         self.constants, self.readers, residual = _classify_nodes(self.g)
+        # the block input's (batch, seq, hidden), as its readers see it (OPT's block ends on flattened tokens)
+        self.residual_shape = next(
+            (tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers),
+            tuple(residual),
+        )
         self.residual_bytes = 2.0 * _numel(residual)
         self.heads_ok = tp == 1 or (ir.num_heads % tp == 0 and (ir.num_kv_heads or ir.num_heads) % tp == 0)
         # this block's heads as its attention ops run them (a Swin stage has its own), else the model's
@@ -413,12 +418,20 @@ class _Model:
                 self.strategies[n] = _linear_strategies(d, in_f, out_f, tp, sp, allow_gather)
             else:
                 self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp, heads)]
+            if sp and self.flattens(d):  # SP's token shard is a slice of each sequence, not of the flattened rows
+                self.strategies[n] = [k for k in self.strategies[n] if Q not in (k.inp, k.out)]
         self.prob = pulp.LpProblem("tp_sharding", pulp.LpMinimize)
         self.x = {
             (n, i): self.binary(f"x_{j}_{i}") for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))
         }
         self.gathered: dict[str, pulp.LpVariable] = {}
         self.pinned_whole: dict[str, tuple[int, ...]] = {}  # op -> the shape of its operand that spans the heads
+
+    def flattens(self, d: dict[str, Any]) -> bool:
+        """An activation with batch and sequence flattened into one dimension (OPT's decoder layer reshapes its
+        residual to (tokens, hidden)): mlm-run's sequence-parallel styles split dimension 1 of (batch, seq, hidden)."""
+        shape, res = tuple(d["shape"]), self.residual_shape
+        return len(res) == 3 and len(shape) == 2 and shape[0] == res[0] * res[1] and res[1] > 1
 
     def binary(self, name: str) -> pulp.LpVariable:
         add = getattr(self.prob, "add_variable", None)  # PuLP >= 3.3; plain LpVariable is deprecated there
@@ -577,14 +590,20 @@ def _solve_layer(
         prob = m.build()
         status = prob.solve(_solver(solver, time_limit_s))
         if pulp.LpStatus[status] != "Optimal":
-            hint = (
-                (
+            hint = ""
+            if sp and attention and not m.heads_ok:
+                hint = (
                     "; attention must run replicated, which sequence parallelism cannot feed: use a tp dividing "
                     "the head counts or no sequence parallelism"
                 )
-                if sp and attention and not m.heads_ok
-                else ""
-            )
+            elif sp and any(m.flattens(m.g.nodes[n]) for n in m.nodes):
+                hint = (
+                    "; the block flattens batch and sequence into one dimension, which sequence parallelism's "
+                    "token shard (a slice of each sequence) cannot follow: plan without sequence parallelism"
+                )
+            elif sp and attention and (why := _replicated_attention(m, None, layer.name)):
+                hint = f"; {why[0].split(': ', 1)[1]}: attention must run replicated, which sequence parallelism "
+                hint += "cannot feed: plan without sequence parallelism"
             raise Infeasible(
                 f"no executable tensor-parallel sharding of {layer.name} at tp={tp}"
                 f"{' with sequence parallelism' if sp else ''} (ILP {pulp.LpStatus[status]}){hint}"
@@ -596,12 +615,21 @@ def _solve_layer(
     return _read_solution(m, choice, gathered, ir, notes)
 
 
-def _replicated_attention(m: _Model, choice: dict[str, int], block: str) -> list[str]:
-    """Why attention that could run on local heads runs whole on every tp rank, in one line (or nothing)."""
-    whole = [n for n in m.nodes if m.g.nodes[n]["kind"] == "attention" and m.strategies[n][choice[n]].out == R]
+def _replicated_attention(m: _Model, choice: dict[str, int] | None, block: str) -> list[str]:
+    """Why attention that could run on local heads runs whole on every tp rank (all of it when `choice` is None:
+    no sharding exists), in one line (or nothing)."""
+    kinds = ("attention", "matmul")
+    whole = [
+        n for n in m.nodes if m.g.nodes[n]["kind"] in kinds and (choice is None or m.strategies[n][choice[n]].out == R)
+    ]
     if not whole:
         return []
     blocked = [(m.g.nodes[v]["module"] or v, shape) for v, shape in m.pinned_whole.items()]
+    folded = [
+        n
+        for n in m.nodes
+        if m.g.nodes[n]["kind"] in ("matmul", "softmax") and len(m.g.nodes[n]["shape"]) == 3 and m.live_preds(n)
+    ]
     if blocked:
         where, shape = blocked[0]
         where = where[len(block) + 1 :] if where.startswith(block + ".") else where
@@ -609,6 +637,15 @@ def _replicated_attention(m: _Model, choice: dict[str, int], block: str) -> list
             f"{where} reads a tensor of shape {shape} that spans the heads, which a rank holding some of the "
             f"heads cannot broadcast against and mlm-run does not slice"
         )
+    elif folded:
+        d = m.g.nodes[folded[0]]
+        where = (d["module"] or "")[len(block) + 1 :] if (d["module"] or "").startswith(block + ".") else d["module"]
+        why = (
+            f"{where or 'its attention'} computes scores of shape {tuple(d['shape'])}: the heads are folded into "
+            f"the batch dimension, where the sharding cannot split them"
+        )
+    elif choice is None:
+        return []
     else:
         why = "running it on local heads would cost more (collectives, state) than it saves under this cost model"
     return [f"attention runs on all heads on every tp rank (its linears replicated): {why}"]

@@ -58,3 +58,31 @@ def build_bert():
         max_position_embeddings=64,
     )
     return BertForMaskedLM(cfg)
+
+
+def build_opt():
+    """OPT's decoder layer flattens batch and sequence into one dimension before its MLP."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        use_cache=False,
+    )
+    return OPTForCausalLM(cfg)
+
+
+def build_xglm():
+    """XGLM computes attention scores with the heads folded into the batch dimension (3-D bmm)."""
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    cfg = XGLMConfig(
+        vocab_size=128, d_model=64, num_layers=2, attention_heads=4, ffn_dim=128, max_position_embeddings=64
+    )
+    cfg.use_cache = False
+    return XGLMForCausalLM(cfg)

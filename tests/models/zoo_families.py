@@ -22,6 +22,7 @@ DECODERS = (
     "gpt_neox",
     "falcon",
     "olmo2",
+    "phi",
 )
 ENCODERS = ("bert",)  # ViT and T5 need their own example_inputs: hf_vit.py, hf_t5.py
 
@@ -60,12 +61,14 @@ def _decoder_config(family: str):
         )
     if family == "olmo2":
         return hf.Olmo2Config(**common, **gqa, **ctx)
+    if family == "phi":  # Phi-2: attention and MLP in parallel off one LayerNorm, partial rotary
+        return hf.PhiConfig(**common, **ctx, num_attention_heads=HEADS, intermediate_size=FFN, pad_token_id=0)
     raise ValueError(f"unknown decoder family {family!r}")
 
 
 def config_facts(family: str) -> dict[str, int]:
     """hidden, heads, kv heads, head dim and vocabulary as the family's config states them."""
-    kv = KV_HEADS if family not in ("gpt2", "gpt_neox", "bert") else HEADS
+    kv = KV_HEADS if family not in ("gpt2", "gpt_neox", "bert", "phi") else HEADS
     return {"hidden": HIDDEN, "heads": HEADS, "kv_heads": kv, "head_dim": HIDDEN // HEADS, "vocab": VOCAB}
 
 

@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec
 from mlm.planner.plan import Plan
+from mlm.runtime.data import split_rows
 from mlm.runtime.memory_tracker import StorageTracker
 from mlm.runtime.mesh import MeshInfo, build_mesh
 from mlm.runtime.model_build import TensorSpec, load_checked_spec
@@ -626,8 +627,8 @@ def _pipeline_step(
     rt: Any,
     info: MeshInfo,
     bounds: dict[int, list[TensorSpec]],
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
+    inputs: Any,
+    targets: Any,
     counter: CollectiveCounter,
     tracker: StorageTracker,
 ) -> None:
@@ -639,8 +640,8 @@ def _pipeline_step(
     actions = rank_actions(rt.schedule, info.pp_rank, n)
     pstages = {st.stage_index: st for st in _schedule_stages(rt.schedule)}
     runners = {st.index: runner for st, runner in zip(rt.stages, rt.runners)}
-    in_chunks = inputs.chunk(n)
-    tgt_chunks = targets.chunk(n)
+    in_chunks = split_rows(inputs, n)  # a tensor, or a model's example_inputs (a dict / tuple of tensors)
+    tgt_chunks = split_rows(targets, n)
     saved: dict[tuple[int, int], tuple[Any, tuple[torch.Tensor, ...]]] = {}
     done_backward: dict[int, int] = {}
     for kind, s, mb in actions:

@@ -44,9 +44,10 @@ def _dry_run_doc(plan_path: Path) -> dict:
     return report_document(plan, dry_run(plan, dry_run_options(plan)))
 
 
-def _assert_matches_plan(doc: dict, label: str, bytes_rel: float = 0.05, peak_rel: float = 0.10) -> None:
+def _assert_matches_plan(doc: dict, label: str, bytes_rel: float = 0.05, peak_rel: float | None = 0.10) -> None:
     """On every pipeline rank of a dry-run document: the ops measured are the ops priced, each with the priced
-    count and bytes within `bytes_rel`, and the peak within `peak_rel` of plan.json's (printed, for -s)."""
+    count and bytes within `bytes_rel`, and the peak within `peak_rel` of plan.json's (printed, for -s; None:
+    printed only)."""
     for rank in doc["ranks"]:
         measured, predicted = rank["collectives"], rank["predicted_collectives"]
         assert set(measured) == set(predicted), rank["stage"]
@@ -55,7 +56,8 @@ def _assert_matches_plan(doc: dict, label: str, bytes_rel: float = 0.05, peak_re
             assert m["bytes"] == pytest.approx(predicted[op]["bytes"], rel=bytes_rel), (rank["stage"], op)
         peak, want = rank["measured_peak_memory_bytes"], rank["predicted_peak_memory_bytes"]
         print(label, rank["stage"], f"peak {peak / 2**20:.3f} MiB, predicted {want / 2**20:.3f} MiB")
-        assert peak == pytest.approx(want, rel=peak_rel)
+        if peak_rel is not None:
+            assert peak == pytest.approx(want, rel=peak_rel)
 
 
 TP2SP = ("--gpus", "2", "--tp", "2", "--pp", "1", "--sequence-parallel", "--zero", "0")
@@ -454,6 +456,21 @@ def test_models_fed_by_example_inputs_dry_run_as_priced(model: str, pins: tuple[
 
     plan = write_plan(tmp_path, "image", [str(MODELS / model), *pins])
     _assert_matches_plan(_dry_run_doc(plan), model)
+
+
+def test_a_pipeline_of_a_model_fed_by_example_inputs_dry_runs(tmp_path: Path) -> None:
+    """A ViT at tp2·pp2: its batches are a dict of pixel values, which the dry run's pipeline step cut into
+    micro-batches with Tensor.chunk and failed on (T5, Swin and Whisper too); now split as mlm-run splits them.
+    Collectives as priced. Its peak is not checked here: under pp the ViT's activations are under-predicted
+    (measured +10% / +46% at this batch, +6% without pp; an open item of issue 11)."""
+    pytest.importorskip("transformers")
+    from conftest import MODELS
+
+    pins = ("--gpus", "4", "--global-batch", "32", "--tp", "2", "--dp", "1", "--pp", "2", "--vpp", "1")
+    plan = write_plan(tmp_path, "vit-pp", [str(MODELS / "hf_vit.py"), *pins])
+    doc = _dry_run_doc(plan)
+    assert len(doc["ranks"]) == 2
+    _assert_matches_plan(doc, "vit pp2", peak_rel=None)
 
 
 def test_a_diffusers_unet_at_tp2_runs_its_feed_forward_as_one_region(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.hf_positions import unpacked_positions
 from mlm.planner.capture.loader import ModelSpec
+from mlm.planner.errors import PlanError
 from mlm.planner.plan import Plan
 from mlm.runtime.data import split_rows
 from mlm.runtime.memory_tracker import StorageTracker
@@ -203,13 +204,37 @@ def dry_run(
     context = multiprocessing.get_context("spawn")
     reports: dict[int, RoleReport] = {}
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(dry_run_role, plan, opts, r): r for r in ranks}
+        futures = {pool.submit(_role_in_worker, plan, opts, r): r for r in ranks}
         for future in concurrent.futures.as_completed(futures):
             report = future.result()
             reports[report.pp_rank] = report
             if progress is not None:
                 progress(f"pipeline rank {report.pp_rank} done in {report.seconds:.1f} s ({len(reports)}/{len(ranks)})")
     return [reports[r] for r in ranks]
+
+
+def _role_in_worker(plan: Plan, opts: Any, pp_rank: int) -> RoleReport:
+    """dry_run_role in a pool worker, whose exception must cross back pickled: one that cannot (torch's carry
+    C++ function records) or that comes from a shape computed from tensor values, which fake tensors do not have
+    (a model's own MoE dispatch: nonzero / where over the routing), is raised as a one-line PlanError instead."""
+    import pickle
+
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    try:
+        return dry_run_role(plan, opts, pp_rank)
+    except DynamicOutputShapeException as e:
+        raise PlanError(
+            f"the dry run cannot run pipeline rank {pp_rank}: the model computes a tensor's shape from tensor "
+            f"values ({e.func}; a mixture-of-experts' own dispatch over its routing, as at ep 1), which the fake "
+            f"tensors of a dry run do not have"
+        ) from None
+    except Exception as e:
+        try:
+            pickle.dumps(e)
+        except Exception:
+            raise PlanError(f"the dry run of pipeline rank {pp_rank} failed: {type(e).__name__}: {e}") from None
+        raise
 
 
 def dry_run_options(plan: Plan) -> Any:

@@ -148,6 +148,22 @@ def shard_experts(model: nn.Module, banks: list[ExpertBank], ep: ExpertParallel)
         ep.groups.append(bank.fqn)
 
 
+def sizes_without_values(model: nn.Module, banks: list[ExpertBank]) -> None:
+    """ep 1: each fused bank's forward runs through _call_bank, so that under the dry run's fake tensors (routing
+    without values) a transformers bank uses its grouped_mm implementation, whose shapes need no values, instead
+    of a loop that sizes each expert's rows with nonzero; on real tensors the bank's own forward runs unchanged."""
+    for bank in banks:
+        if bank.kind == "list":
+            continue
+        module = model.get_submodule(bank.fqn)
+        original = module.forward
+
+        def forward(*args: torch.Tensor, _module: nn.Module = module, _original: Any = original) -> torch.Tensor:
+            return _call_bank(_module, _original, *args)
+
+        module.forward = forward
+
+
 def exchange(
     module: nn.Module,
     original: Any,

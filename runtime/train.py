@@ -29,13 +29,21 @@ from mlm.runtime import checkpoint as ckpt
 from mlm.runtime.context_parallel import ContextParallel
 from mlm.runtime.data import DropoutSeeds, ExampleSource, TokenSource, data_source, split_rows
 from mlm.runtime.data_parallel import apply_data_parallel, choose_data_parallel
-from mlm.runtime.expert_parallel import ExpertParallel, expert_params, find_banks, gather_over_ep, shard_experts
+from mlm.runtime.expert_parallel import (
+    ExpertParallel,
+    expert_params,
+    find_banks,
+    gather_over_ep,
+    shard_experts,
+    sizes_without_values,
+)
 from mlm.runtime.faults import Injection, NonFiniteError, StopRequest, injection_from_env
 from mlm.runtime.mesh import MeshInfo, build_mesh, check_supported
 from mlm.runtime.model_build import (
     LOSS_LAYER,
     LayerCall,
     TensorSpec,
+    _fake_mode_active,
     build_meta_model,
     load_checked_spec,
     materialize,
@@ -237,6 +245,9 @@ def _build_runtime(
         experts = ExpertParallel(info.ep_rank, info.ep_size, info.ep_group)
         owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
         shard_experts(model, find_banks(model, owned), experts)
+    elif _fake_mode_active():  # the dry run
+        owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
+        sizes_without_values(model, find_banks(model, owned))
     carry = carry_plan(plan, calls)  # activations that skip over stage boundaries (stages.py)
     for i in mine:
         stage = build_stage(model, loss_fn, plan, i, calls, device, carry=carry)

@@ -429,6 +429,20 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
     _assert_matches_plan(doc, name, bytes_rel=0.01)
 
 
+def test_experts_without_expert_parallelism_dry_run_as_priced(tmp_path: Path) -> None:
+    """At ep 1 the model's own MoE dispatch runs: transformers' eager expert loop sizes each expert's rows with
+    nonzero, which fake tensors cannot answer, and the worker's error did not even reach the user (an internal
+    error about pickling). Under the dry run a fused bank now runs its grouped_mm implementation (shapes need no
+    values): Qwen3-MoE at pp2·dp2 ZeRO-1, every op as priced, peak within 10% (measured +0% / -1%)."""
+    model = str(Path(__file__).parent / "models" / "moe_configs.py")
+    pins = ("--gpus", "4", "--ep", "1", "--dp", "2", "--pp", "2", "--vpp", "1", "--zero", "1", "--tp", "1")
+    shape = ("--entry", "build_qwen3_moe", "--seq-len", "32", "--global-batch", "16", "--micro-batch", "2")
+    path = write_plan(tmp_path, "moe-ep1", [model, *shape, *pins, "--recompute", "none"])
+    doc = _dry_run_doc(path)
+    assert all("all_to_all" not in rank["collectives"] for rank in doc["ranks"])
+    _assert_matches_plan(doc, "moe ep1")
+
+
 def test_dry_run_of_experts_in_a_module_list_says_why_it_cannot(tmp_path: Path) -> None:
     """Experts in an nn.ModuleList run the model's own dispatch loop, whose per-expert sizes come from the routing's
     values: the dry run stops with that reason (exit 2), not an internal error."""

@@ -487,6 +487,20 @@ def test_a_pipeline_of_a_model_fed_by_example_inputs_dry_runs(tmp_path: Path) ->
     _assert_matches_plan(doc, "vit pp2", peak_rel=None)
 
 
+def test_a_dit_timestep_embedder_needs_no_backward_all_reduce(tmp_path: Path) -> None:
+    """diffusers' DiT at tp2: each block's timestep embedder (an MLP region) reads sinusoidal features computed
+    from the timestep, a model input, through parameter-free ops: no gradient reaches them, so its column-parallel
+    linear has no backward all-reduce. The plan priced one per block (27 all-reduces against 22 measured) because
+    only a linear reading a model input directly counted as gradient-free. Collectives as priced; the peak is
+    printed, not checked (measured -15%: over-predicted)."""
+    pytest.importorskip("diffusers")
+    from conftest import MODELS
+
+    pins = ("--gpus", "2", "--global-batch", "4", "--tp", "2", "--pp", "1", "--no-sequence-parallel")
+    plan = write_plan(tmp_path, "dit", [str(MODELS / "hf_diffusers_dit.py"), *pins])
+    _assert_matches_plan(_dry_run_doc(plan), "dit tp2", peak_rel=None)
+
+
 def test_a_diffusers_unet_at_tp2_runs_its_feed_forward_as_one_region(tmp_path: Path) -> None:
     """diffusers' FeedForward runs its column-parallel projection inside a GEGLU submodule (net.0.proj, whose output
     it chunks into value and gate) and its row-parallel one as net.2: the region is the FeedForward, not each

@@ -1166,9 +1166,10 @@ def _op_graph(
                 (_strip_root(params[w]), _numel(w)) for a in _inputs(n) if (w := _param_of(a, params, inert, trainable))
             ),
             reads_input=_reads_outside(n, costs, member, inert),
-            # every operand from outside the layer is a model input (T5's or a U-Net's encoder states): no gradient
-            # flows back through it, so a column-parallel linear reading it needs no backward all-reduce
-            grad_free_input=_reads_only_model_inputs(n, member, params),
+            # no operand depends on a trainable parameter (T5's or a U-Net's encoder states, a DiT's sinusoidal
+            # timestep features): no gradient flows back through it, so a column-parallel linear reading it needs
+            # no backward all-reduce
+            grad_free_input=_reads_only_model_inputs(n, params, trainable),
             constant=n in inert,
             saved=saved.get(n.name, 0.0),
             kv_heads=_key_heads(n) if c.kind == "attention" else 0,
@@ -1205,9 +1206,27 @@ def _param_of(
     return None
 
 
-def _reads_only_model_inputs(n: torch.fx.Node, member: set[torch.fx.Node], params: dict[torch.fx.Node, str]) -> bool:
-    outside = [_base(a) for a in _inputs(n) if a not in member and a not in params and val(a) is not None]
-    return bool(outside) and all(a.op == "placeholder" and a not in params for a in outside)
+def _reads_only_model_inputs(
+    n: torch.fx.Node, params: dict[torch.fx.Node, str], trainable: set[torch.fx.Node] | None
+) -> bool:
+    """Whether n's activation operands are computed from model inputs and constants alone (no trainable parameter
+    among their ancestors in the graph), so that no gradient reaches them."""
+    stack = [a for a in _inputs(n) if a not in params and val(a) is not None]
+    seen: set[torch.fx.Node] = set()
+    reached_input = False
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a in params:
+            if trainable is None or a in trainable:
+                return False
+        elif a.op == "placeholder":
+            reached_input = True
+        elif a.op != "get_attr":
+            stack.extend(_inputs(a))
+    return reached_input
 
 
 def _numel(n: torch.fx.Node) -> int:

@@ -488,7 +488,7 @@ def _block_splits(
             continue
         splits.append("col")
         preds = tuple(sorted(g.predecessors(n)))
-        if not preds and d.get("grad_free_input"):  # reads a model input: no input gradient to all-reduce
+        if d.get("grad_free_input"):  # reads model inputs only (through param-free ops): no gradient to all-reduce
             continue
         if preds not in seen:  # the input as the linear reads it (a norm computing in fp32 casts back first)
             seen.add(preds)

@@ -558,11 +558,10 @@ def _parameters_on_meta(recorder: _InitRecorder | None, recipes: dict[int, Param
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         if recorder is None:
-            fake = _fake_mode_active()
-            with (
-                _ValuesReadAsZero() if fake else contextlib.nullcontext(),
-                _MetaDataAssignment() if fake else (contextlib.nullcontext()),
-            ):
+            with contextlib.ExitStack() as modes:
+                if _fake_mode_active():
+                    modes.enter_context(_ValuesReadAsZero())
+                    modes.enter_context(_MetaDataAssignment())
                 yield
         else:
             with recorder, _init_functions_recorded(recorder):

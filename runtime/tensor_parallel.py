@@ -790,9 +790,7 @@ class _RegionDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _dropout(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        names = ("input", "p", "training", "inplace")
-        bound = {**dict(zip(names, args)), **kwargs}
-        x, p, training = bound["input"], bound.get("p", 0.5), bound.get("training", True)
+        x, p, training = _dropout_args(args, kwargs)
         k = self.calls
         self.calls += 1
         if not training or p == 0 or isinstance(x, DTensor) or is_fake(x) or k >= len(self.shards):
@@ -800,13 +798,7 @@ class _RegionDropout(TorchFunctionMode):
         dim = self._sharded_dim(self.shards[k], x)
         if dim is None:
             return func(*args, **kwargs)
-        if x.device.type != "cpu":
-            with self._rank_generator(x.device):
-                return func(*args, **kwargs)
-        whole = list(x.shape)
-        whole[dim] *= self.tp
-        mask = func(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)
-        return x * mask.narrow(dim, self.rank * x.shape[dim], x.shape[dim])
+        return _sharded_dropout(func, args, kwargs, dim, self.tp, self.rank, self.calls)
 
     def _sharded_dim(self, shard: DropoutShard, x: torch.Tensor) -> int | None:
         if shard.dim is not None and shard.dim < x.dim():
@@ -823,7 +815,7 @@ class _RegionDropout(TorchFunctionMode):
         bound = {**dict(zip(names, args)), **kwargs}
         q, k, v = bound["query"], bound["key"], bound["value"]
         if q.device.type != "cpu":
-            with self._rank_generator(q.device):
+            with _rank_generator(q.device, self.rank, self.calls):
                 return func(*args, **kwargs)
         if k.shape[-3] != q.shape[-3]:  # grouped-query attention: as enable_gqa repeats the key/value heads
             k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -845,9 +837,6 @@ class _RegionDropout(TorchFunctionMode):
         keep = torch.nn.functional.dropout(torch.ones(whole, dtype=probs.dtype, device=probs.device), p, True)
         keep = keep.narrow(-3, self.rank * probs.shape[-3], probs.shape[-3])
         return (probs * keep) @ v
-
-    def _rank_generator(self, device: torch.device) -> contextlib.AbstractContextManager:
-        return _rank_generator(device, self.rank, self.calls)
 
 
 @contextlib.contextmanager
@@ -880,19 +869,31 @@ class _SequenceDropout(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.dropout:
             return func(*args, **kwargs)
-        bound = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
-        x, p, training = bound["input"], bound.get("p", 0.5), bound.get("training", True)
+        x, p, training = _dropout_args(args, kwargs)
         sharded = isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and not is_fake(x)
         if not (sharded and training and p > 0 and x.dim() > SEQ_DIM and x.shape[SEQ_DIM] == self.chunk):
             return func(*args, **kwargs)
         self.calls += 1
-        if x.device.type != "cpu":
-            with _rank_generator(x.device, self.rank, self.calls):
-                return func(*args, **kwargs)
-        whole = list(x.shape)
-        whole[SEQ_DIM] *= self.tp
-        mask = func(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)
-        return x * mask.narrow(SEQ_DIM, self.rank * self.chunk, self.chunk)
+        return _sharded_dropout(func, args, kwargs, SEQ_DIM, self.tp, self.rank, self.calls)
+
+
+def _dropout_args(args: tuple, kwargs: dict) -> tuple[Any, float, bool]:
+    """(input, p, training) of an F.dropout call."""
+    bound = {**dict(zip(("input", "p", "training", "inplace"), args)), **kwargs}
+    return bound["input"], bound.get("p", 0.5), bound.get("training", True)
+
+
+def _sharded_dropout(func: Any, args: tuple, kwargs: dict, dim: int, tp: int, rank: int, calls: int) -> Any:
+    """F.dropout on this rank's 1/tp of `dim`: on CPU one device's mask of the whole tensor, this rank's slice
+    kept; elsewhere the device's own kernel under a generator forked per rank and call."""
+    x, p, _ = _dropout_args(args, kwargs)
+    if x.device.type != "cpu":
+        with _rank_generator(x.device, rank, calls):
+            return func(*args, **kwargs)
+    whole = list(x.shape)
+    whole[dim] *= tp
+    mask = func(torch.ones(whole, dtype=x.dtype, device=x.device), p, True)
+    return x * mask.narrow(dim, rank * x.shape[dim], x.shape[dim])
 
 
 def _sequence_dropout(model: nn.Module, layers: list[str], start: str, mesh: DeviceMesh) -> None:

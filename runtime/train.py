@@ -239,14 +239,13 @@ def _build_runtime(
     stages: list[StageModule] = []
     vocab_head = False
     experts = None
+    owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
     if lay.ep > 1:
         if opts.save is not None or opts.resume is not None:
             raise Infeasible("--save / --resume with ep > 1: checkpoints of expert-parallel banks are not written yet")
         experts = ExpertParallel(info.ep_rank, info.ep_size, info.ep_group)
-        owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
         shard_experts(model, find_banks(model, owned), experts)
     elif _fake_mode_active():  # the dry run
-        owned = [f for i in mine for f in plan.stages[i].layers if f != LOSS_LAYER]
         sizes_without_values(model, find_banks(model, owned))
     carry = carry_plan(plan, calls)  # activations that skip over stage boundaries (stages.py)
     for i in mine:
@@ -366,8 +365,6 @@ def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callab
                 from torch.distributed.tensor import DTensor
                 from torch.nn.attention import SDPBackend, sdpa_kernel
                 from torch.overrides import TorchFunctionMode
-
-                from mlm.runtime.model_build import _fake_mode_active
 
                 class MathForDTensorAttention(TorchFunctionMode):
                     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:

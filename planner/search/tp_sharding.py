@@ -272,6 +272,11 @@ def plan_tensor_parallel(
     return _with_explanation(result, ir, list(result.notes))
 
 
+def _within(fqn: str, block: str) -> str:
+    """`fqn` relative to `block` when inside it."""
+    return fqn[len(block) + 1 :] if fqn.startswith(block + ".") else fqn
+
+
 def _about(layers: list[str], note: str) -> str:
     more = f" and {len(layers) - 1} more layer{'s' * (len(layers) > 2)} like it" if len(layers) > 1 else ""
     return f"{layers[0]}{more}: {note}"
@@ -632,14 +637,14 @@ def _replicated_attention(m: _Model, choice: dict[str, int] | None, block: str) 
     ]
     if blocked:
         where, shape = blocked[0]
-        where = where[len(block) + 1 :] if where.startswith(block + ".") else where
+        where = _within(where, block)
         why = (
             f"{where} reads a tensor of shape {shape} that spans the heads, which a rank holding some of the "
             f"heads cannot broadcast against and mlm-run does not slice"
         )
     elif folded:
         d = m.g.nodes[folded[0]]
-        where = (d["module"] or "")[len(block) + 1 :] if (d["module"] or "").startswith(block + ".") else d["module"]
+        where = _within(d["module"] or "", block)
         why = (
             f"{where or 'its attention'} computes scores of shape {tuple(d['shape'])}: the heads are folded into "
             f"the batch dimension, where the sharding cannot split them"

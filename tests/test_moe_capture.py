@@ -167,3 +167,40 @@ def test_moe_presets_match_the_published_sizes(preset: str, total_b: float, acti
     width = args["n_heads"] * ir.head_dim  # the attention's query width (not dim when head_dim is set)
     hand = 6 * (ir.active_params - args["vocab_size"] * args["dim"]) + 12 * args["n_layers"] * seq * width
     assert per_token == pytest.approx(hand, rel=0.05)
+
+
+def test_experts_kept_whole_under_tp_cost_what_each_tp_rank_runs() -> None:
+    """mlm-run leaves the expert banks unsharded under tensor parallelism: each tp rank holds and runs every routed
+    expert on the tokens its group shares and reduces nothing over tp (CostOptions.expert_tensor_parallel False);
+    Megatron-Core splits them like an MLP (True). Between the two pricings of a Qwen3-MoE at tp 2: nothing is
+    created or lost (parameters, activations and bytes moved only change sides), the whole experts hold and
+    compute what one device holds and computes (tp 1), the split ones half, and the split ones add one all-reduce
+    of the combined output each way per MoE layer; the dense first block is the same under both."""
+    from mlm.planner.cost.inputs import for_tp
+    from mlm.planner.cost.step_time import rank_params
+
+    inputs = summarize(_ir("build_qwen3_moe", C))
+    one = for_tp(inputs, 1)
+    whole = for_tp(inputs, 2, expert_tp=False)
+    split = for_tp(inputs, 2, expert_tp=True)
+    dense, moe = 0, 1
+    assert whole.block_costs[dense] == split.block_costs[dense]
+    w, s, o = whole.block_costs[moe], split.block_costs[moe], one.block_costs[moe]
+    assert w.params_sharded + w.params_replicated == s.params_sharded + s.params_replicated
+    assert w.act_sharded + w.act_replicated == pytest.approx(s.act_sharded + s.act_replicated)
+    assert w.mem_sharded + w.mem_replicated == pytest.approx(s.mem_sharded + s.mem_replicated)
+    experts = o.expert_params
+    assert experts > 0
+    assert rank_params(w, 2, 1)[1] == rank_params(o, 1, 1)[1] == experts == 2 * rank_params(s, 2, 1)[1]
+    assert rank_params(w, 2, 2)[1] == experts / 2  # expert parallelism still splits them
+    assert rank_params(s, 2, 1)[0] - rank_params(w, 2, 1)[0] == -experts / 2
+
+    def expert_work(c, tp: int) -> float:  # GEMM FLOPs per rank, as step_time divides them
+        return sum(g.rows * g.k * g.n / (1 if g.split == "replicate" else tp) for g in c.gemms if g.expert)
+
+    assert expert_work(w, 2) == expert_work(o, 1) == 2 * expert_work(s, 2) > 0
+    assert (s.tp_fwd_count - w.tp_fwd_count, s.tp_bwd_count - w.tp_bwd_count) == (1, 1)
+    assert s.tp_fwd_bytes - w.tp_fwd_bytes == pytest.approx(w.output_bytes)  # the combined hidden state
+    # under sequence parallelism the whole experts run on the rank's token shard
+    sp = for_tp(inputs, 2, True, expert_tp=False).block_costs[moe]
+    assert {g.split for g in sp.gemms if g.expert} == {"sequence"}

@@ -89,7 +89,9 @@ def test_every_pinned_field_holds_in_the_plan(preset: str, gpus: int, batch: int
 def test_expert_parallelism_is_searched_only_where_mlm_run_runs_it() -> None:
     """A mixture-of-experts model planned without --ep: ep is searched (not pinned), and every layout the search
     ranks with ep > 1 has tp 1 (mlm-run runs expert parallelism with tp 1); at 64 GPUs some ranked layout splits
-    the experts. A pinned --ep 2 --tp 2 is still taken as asked (the cost model prices it)."""
+    the experts. A pinned --ep 2 --tp 2 is still taken as asked (the cost model prices it): every layout the search
+    ranks first is sequence-parallel (the experts, whole on each tp rank, then run on the token shard), which the
+    sharding refuses for a block that flattens its tokens; the search runs again without them and says so."""
     spec = load_model_spec("mixtral-8x7b")
     ir = capture(spec, seq_len=4096)
     outcome = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256), "h100-sxm", None)
@@ -99,3 +101,5 @@ def test_expert_parallelism_is_searched_only_where_mlm_run_runs_it() -> None:
     assert all(c.layout.tp == 1 for c in ranked if c.layout.ep > 1)
     pinned = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256, ep=2, tp=2), "h100-sxm", None)
     assert (pinned.plan.layout.ep, pinned.plan.layout.tp) == (2, 2) and {"ep", "tp"} <= set(pinned.plan.pinned)
+    assert not pinned.plan.layout.sequence_parallel
+    assert any("skipped" in w and "flattens" in w for w in pinned.plan.warnings)

@@ -16,18 +16,33 @@ from dataclasses import replace
 from mlm.planner.capture.graph import Activations, LayerIR, MoEIR
 
 
-def with_experts(layer: LayerIR, moe: MoEIR, elem_bytes: int = 2) -> LayerIR:
-    """`layer` with the routed experts of `moe` priced (the graph's expert ops were dropped before); activations of
-    `elem_bytes` per element (the compute dtype's: 2 for bf16)."""
-    routed = moe.tokens * max(moe.top_k, 1) * moe.capacity_factor
+def routed_rows(moe: MoEIR) -> float:
+    """Token rows the routed experts process per sample: tokens · top_k · capacity_factor."""
+    return moe.tokens * max(moe.top_k, 1) * moe.capacity_factor
+
+
+def row_elements(moe: MoEIR) -> tuple[float, float]:
+    """(saved, moved) elements per routed row (module doc): what backward keeps, and what the memory-bound ops
+    (dispatch, activation function, combine) read and write."""
     gemms = moe.expert_gemms
     hidden = gemms[0].in_features if gemms else 0
     first = [g for g in gemms if g.in_features == hidden]
     later = [g for g in gemms if g.in_features != hidden]
-    per_row_flops = sum(2.0 * g.in_features * g.out_features for g in gemms)
-    saved_elems = hidden + sum(g.out_features for g in first) + sum(g.in_features for g in later) + hidden
     act_elems = sum(g.in_features for g in later)
-    moved_elems = 4 * hidden + sum(g.out_features for g in first) + act_elems
+    saved = hidden + sum(g.out_features for g in first) + act_elems + hidden
+    moved = 4 * hidden + sum(g.out_features for g in first) + act_elems
+    return float(saved), float(moved)
+
+
+def with_experts(layer: LayerIR, moe: MoEIR, elem_bytes: int = 2) -> LayerIR:
+    """`layer` with the routed experts of `moe` priced (the graph's expert ops were dropped before); activations of
+    `elem_bytes` per element (the compute dtype's: 2 for bf16)."""
+    routed = routed_rows(moe)
+    gemms = moe.expert_gemms
+    hidden = gemms[0].in_features if gemms else 0
+    per_row_flops = sum(2.0 * g.in_features * g.out_features for g in gemms)
+    act_elems = sum(g.in_features for g in gemms if g.in_features != hidden)
+    saved_elems, moved_elems = row_elements(moe)
     a = layer.activations
     return replace(
         layer,

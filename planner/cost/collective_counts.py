@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, vocab_shards
-from mlm.planner.cost.memory import local_params
+from mlm.planner.cost.memory import local_expert_params, local_params
 from mlm.planner.layout import Layout
 
 GRAD_NORM_BYTES = 4.0  # the squared gradient norm, one fp32 scalar
@@ -177,12 +177,13 @@ def rank_collectives(
     zero3_reduce_every_microbatch: bool = True,
     units: dict[int, int] | None = None,
     recompute_blocks: tuple[int, ...] | None = None,
+    expert_tp: bool = False,
 ) -> dict[str, CollectiveCount]:
     """Collectives of pipeline rank `pp_rank` in one step (see module doc); virtual stage i runs on rank i % pp.
     `units`: FSDP units per virtual stage when the IR knows them (parameter-holding layers + 1); by default the
     merged pre / post layers count as one layer each. `recompute_blocks`: blocks per virtual stage that run
     layout.recompute (its first ones, as plan.json's recompute_layers; None: all of them)."""
-    inputs = cp_share(for_tp(inputs, layout.tp, layout.sequence_parallel), layout.cp)
+    inputs = cp_share(for_tp(inputs, layout.tp, layout.sequence_parallel, expert_tp), layout.cp)
     m, pp = layout.num_microbatches, layout.pp
     dp = layout.dp * layout.cp  # the ranks that reduce gradients together
     out: dict[str, CollectiveCount] = {}
@@ -214,7 +215,7 @@ def rank_collectives(
         held = [local_params(layer, layout.tp) for layer in layers]
         params += sum(held)
         if layout.ep > 1:  # the routed experts: 1/ep of them here, reduced over the ranks holding the same ones
-            experts = sum(layer.expert_params for layer in layers) / layout.tp
+            experts = sum(local_expert_params(layer, layout.tp) for layer in layers)
             params -= experts
             expert_params += experts / layout.ep
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit

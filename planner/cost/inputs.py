@@ -5,8 +5,9 @@ one LayerCost per block (`block_costs`: blocks of different kinds differ; layers
 encoder's final norm, are folded into the block before them), their mean as `block` (for the parts of the cost
 model that treat blocks as interchangeable), the layers before the blocks (embedding…, first pipeline stage)
 merged into `pre` and those after (final norm, head, loss; last stage) into `post`. Routed experts of an MoE layer
-add their GEMMs (R = tokens·top_k·capacity rows each), their parameters (tp-sharded, as expert-tensor parallelism
-splits them) and one all-reduce of the combined output each way. After this, `evaluate` in
+add their GEMMs (R = tokens·top_k·capacity rows each), their parameters and activations, priced split over tp
+with one all-reduce of the combined output each way (expert-tensor parallelism, as Megatron-Core runs them);
+for_tp keeps them whole on every tp rank instead where the runtime does (mlm-run). After this, `evaluate` in
 planner/cost/step_time.py is pure arithmetic. Nothing here imports torch.
 
 How a layer is split by tensor parallelism follows Megatron (Shoeybi et al. 2019): a linear reading the residual
@@ -24,6 +25,7 @@ from typing import Literal
 
 import networkx as nx
 
+from mlm.planner.capture.experts import routed_rows, row_elements
 from mlm.planner.capture.graph import Activations, LayerIR, ModelIR, MoEIR
 from mlm.planner.errors import PlanError
 
@@ -42,6 +44,7 @@ class Gemm:
     k: int
     n: int
     split: Split
+    expert: bool = False  # a routed expert's GEMM (split over tp only under expert-tensor parallelism: for_tp)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,17 @@ class LayerCost:
     # leaves the layer replicated (for_tp)
     vocab_size: int = 0
     model_flops: float = 0.0  # forward matmul + attention FLOPs (what MFU counts, x3 for training)
-    expert_params: float = 0.0  # routed experts' parameters (part of params_sharded; expert parallelism splits them)
+    expert_params: float = 0.0  # routed experts' parameters (expert parallelism splits them)
+    # the routed experts under tp: split like an MLP (expert-tensor parallelism, Megatron-Core's default ETP = TP),
+    # their parameters in params_sharded, activations in act_sharded, bytes in mem_sharded and one all-reduce of
+    # the combined output each way in tp_fwd / tp_bwd (expert_tp_count of expert_tp_bytes each way); or kept whole
+    # on every tp rank as mlm-run runs them (for_tp(..., expert_tp=False) moves them: experts_whole of the
+    # expert_params then replicated)
+    expert_act: float = 0.0
+    expert_mem: float = 0.0
+    expert_tp_count: int = 0
+    expert_tp_bytes: float = 0.0
+    experts_whole: float = 0.0
     dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·compute bytes
     # MoE layers merged into this one, and the bytes of the per-expert row counts each exchanges first (int64, one
     # per routed expert: mlm-run's all-to-all of the counts before the dispatch)
@@ -158,6 +171,27 @@ class ModelCostInputs:
                 kinds.append(c)
             of.append(index[key])
         return tuple(kinds), tuple(of)
+
+    @cached_property
+    def _whole_expert_variants(self) -> dict[bool, ModelCostInputs]:
+        return {}
+
+    def with_whole_experts(self, sequence_parallel: bool) -> ModelCostInputs:
+        """These inputs with every routed expert whole on each tp rank (_whole_experts), built once per instance
+        (the search prices many layouts of one model); `self` for a dense model."""
+        if not any(c.expert_params > c.experts_whole for c in (self.block, self.pre, self.post, *self.block_costs)):
+            return self
+        cache = self._whole_expert_variants
+        if sequence_parallel not in cache:
+            cache[sequence_parallel] = replace(
+                self,
+                block=_whole_experts(self.block, sequence_parallel),
+                pre=_whole_experts(self.pre, sequence_parallel),
+                post=_whole_experts(self.post, sequence_parallel),
+                block_costs=tuple(_whole_experts(c, sequence_parallel) for c in self.block_costs),
+                tp_variants=(),
+            )
+        return cache[sequence_parallel]
 
     @property
     def uniform_blocks(self) -> bool:
@@ -242,18 +276,55 @@ def _same_as_megatron(layer: LayerIR, states: Mapping[str, str] | None) -> bool:
     return not states or layer.ops is None or _region_tags(layer) == _region_tags(layer, states)
 
 
-def for_tp(inputs: ModelCostInputs, tp: int, sequence_parallel: bool = False) -> ModelCostInputs:
+def for_tp(
+    inputs: ModelCostInputs, tp: int, sequence_parallel: bool = False, expert_tp: bool = True
+) -> ModelCostInputs:
     """`inputs` as tp runs them: the blocks split as the sharding ILP chose (a tp_variants entry, else Megatron's
-    rule), and the embedding, head and loss replicated when tp does not divide the vocabulary
+    rule), the embedding, head and loss replicated when tp does not divide the vocabulary
     (runtime/tensor_parallel.py: 'replicate' styles; under SP the head's input is gathered and every rank computes
-    the whole logits)."""
+    the whole logits), and, unless `expert_tp` (CostOptions.expert_tensor_parallel), the routed experts whole on
+    every tp rank, as mlm-run runs them."""
     for key, variant in inputs.tp_variants:
         if key == (tp, sequence_parallel):
             inputs = variant
             break
+    if tp > 1 and not expert_tp:
+        inputs = inputs.with_whole_experts(sequence_parallel)
     if tp == 1 or not any(c.vocab_size % tp for c in (inputs.pre, inputs.post) if c.vocab_size):
         return inputs
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
+
+
+def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
+    """`c` with its routed experts kept whole on every tp rank (mlm-run: tensor parallelism leaves the expert banks
+    unsharded): they compute all the tokens the tp group shares (under SP, the rank's token shard), keep their
+    activations and parameters whole and reduce nothing over tp."""
+    moved = c.expert_params - c.experts_whole
+    if not moved and not c.expert_tp_count:
+        return c
+    gemms = tuple(
+        replace(g, split="sequence" if sp else "replicate") if g.expert and g.split in ("col", "row") else g
+        for g in c.gemms
+    )
+    return replace(
+        c,
+        gemms=gemms,
+        params_sharded=max(c.params_sharded - moved, 0.0),
+        params_replicated=c.params_replicated + moved,
+        experts_whole=c.expert_params,
+        act_sharded=c.act_sharded - c.expert_act,
+        act_replicated=c.act_replicated + c.expert_act,
+        mem_sharded=c.mem_sharded - c.expert_mem,
+        mem_replicated=c.mem_replicated + c.expert_mem,
+        tp_fwd_count=max(c.tp_fwd_count - c.expert_tp_count, 0),
+        tp_fwd_bytes=max(c.tp_fwd_bytes - c.expert_tp_bytes, 0.0),
+        tp_bwd_count=max(c.tp_bwd_count - c.expert_tp_count, 0),
+        tp_bwd_bytes=max(c.tp_bwd_bytes - c.expert_tp_bytes, 0.0),
+        expert_act=0.0,
+        expert_mem=0.0,
+        expert_tp_count=0,
+        expert_tp_bytes=0.0,
+    )
 
 
 def vocab_shards(inputs: ModelCostInputs, tp: int) -> int:
@@ -308,7 +379,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
     gemms, sharded_params, fwd, bwd = _linears(layer, ir, tags, sp)
     gathered = bwd[1]  # distinct inputs of the column-parallel linears (before any MoE term)
     moe = getattr(layer, "moe", None)
-    routed = dispatch = counts_bytes = 0.0
+    routed = dispatch = counts_bytes = out_bytes = expert_act = expert_mem = 0.0
     moe_layers = 0
     if moe is not None:
         experts, routed, out_bytes = _experts(moe, ir.compute_bytes)
@@ -316,7 +387,11 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         fwd, bwd = (fwd[0] + 1, fwd[1] + out_bytes), (bwd[0] + 1, bwd[1] + out_bytes)
         dispatch = out_bytes * max(moe.top_k, 1) * moe.capacity_factor
         moe_layers, counts_bytes = 1, 8.0 * moe.num_experts
+        saved, moved = row_elements(moe)
+        expert_act = routed_rows(moe) * saved * ir.compute_bytes
+        expert_mem = min(routed_rows(moe) * moved * ir.compute_bytes, layer.bytes_moved)
     mem_s, core = _memory_split(layer, ir.seq_len, kind, tags)
+    dense_mem = layer.bytes_moved - expert_mem  # the op graph's split weighs the dense ops; the experts' are sharded
     fixed = (0, 0.0)
     if kind == "embedding":  # the vocabulary-parallel lookup's all-reduce (a replicated output, with or without SP)
         fixed, fwd = fwd, (0, 0.0)
@@ -334,8 +409,8 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         attn_full_flops=layer.flops_attention_full,
         attn_materialized=a.attn_core > 0,
         head_dim=ir.hidden_size // max(ir.num_heads, 1),
-        mem_sharded=layer.bytes_moved * (1.0 if vocab else mem_s),
-        mem_replicated=layer.bytes_moved * (0.0 if vocab else 1.0 - mem_s),
+        mem_sharded=layer.bytes_moved if vocab else dense_mem * mem_s + expert_mem,
+        mem_replicated=0.0 if vocab else dense_mem * (1.0 - mem_s),
         core_bytes=core,
         act_sharded=sharded,
         act_replicated=replicated,
@@ -360,6 +435,10 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         loss_logits_bytes=float(FP32_BYTES * ir.seq_len * ir.vocab_size) if kind == "loss" else 0.0,
         model_flops=layer.flops_matmul + layer.flops_attention,
         expert_params=routed,
+        expert_act=min(expert_act, sharded),
+        expert_mem=expert_mem,
+        expert_tp_count=moe_layers,
+        expert_tp_bytes=out_bytes,
         dispatch_bytes=dispatch,
         moe_layer_count=moe_layers,
         expert_counts_bytes=counts_bytes,
@@ -454,7 +533,7 @@ def _experts(moe: MoEIR, elem_bytes: int) -> tuple[tuple[Gemm, ...], float, floa
     rows = moe.tokens * max(moe.top_k, 1) * moe.capacity_factor
     hidden = moe.expert_gemms[0].in_features if moe.expert_gemms else 0
     gemms = tuple(
-        Gemm(rows, g.in_features, g.out_features, "col" if g.in_features == hidden else "row")  # type: ignore[arg-type]
+        Gemm(rows, g.in_features, g.out_features, "col" if g.in_features == hidden else "row", expert=True)  # type: ignore[arg-type]
         for g in moe.expert_gemms
     )
     return gemms, float(moe.routed_params), float(elem_bytes * moe.tokens * hidden)
@@ -642,8 +721,12 @@ def _mean(costs: list[LayerCost]) -> LayerCost:
     }
     pooled: dict[tuple, int] = {}
     for g in total.gemms:
-        pooled[(g.rows, g.k, g.n, g.split)] = pooled.get((g.rows, g.k, g.n, g.split), 0) + 1
-    gemms = tuple(Gemm(rows * count / n, k, m, split) for (rows, k, m, split), count in pooled.items())  # type: ignore[arg-type]
+        key = (g.rows, g.k, g.n, g.split, g.expert)
+        pooled[key] = pooled.get(key, 0) + 1
+    gemms = tuple(
+        Gemm(rows * count / n, k, m, split, expert)  # type: ignore[arg-type]
+        for (rows, k, m, split, expert), count in pooled.items()
+    )
     return replace(
         costs[0],
         **numeric,
@@ -698,5 +781,8 @@ _TOKEN_FIELDS = (
     "sp_gather_bytes",
     "dispatch_bytes",
     "kv_bytes",
+    "expert_act",
+    "expert_mem",
+    "expert_tp_bytes",
     "loss_logits_bytes",
 )

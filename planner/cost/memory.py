@@ -81,6 +81,12 @@ def local_params(layer: LayerCost, tp: int) -> float:
     return layer.params_sharded / tp + layer.params_replicated
 
 
+def local_expert_params(layer: LayerCost, tp: int) -> float:
+    """Routed-expert parameters of `layer` one tp rank holds before expert parallelism: those split by
+    expert-tensor parallelism ÷tp, those kept whole on every tp rank (inputs.for_tp) whole."""
+    return (layer.expert_params - layer.experts_whole) / tp + layer.experts_whole
+
+
 def compute_copy_bytes(compute_bytes: float, dp: int) -> float:
     """Bytes per parameter that the compute copy of the weights takes beside the fp32 master (docs/semantics.md):
     bf16 compute, the bf16 copy FSDP2 gathers (2, at dp 1 too: fully_shard over one rank casts). fp32 compute (CPU
@@ -123,7 +129,7 @@ def zero3_buffer_bytes(
     stay whole); of the routed experts, the 1/ep this rank holds."""
     if zero < 3 or pipelined:
         return 0.0
-    params = local_params(block, tp) - block.expert_params / tp * (1.0 - 1.0 / ep)
+    params = local_params(block, tp) - local_expert_params(block, tp) * (1.0 - 1.0 / ep)
     return params * (2 * compute_bytes + GRAD_BYTES)
 
 

@@ -99,6 +99,7 @@ from mlm.planner.cost.memory import (
     GRAD_BYTES,
     MemoryBreakdown,
     activation_bytes,
+    local_expert_params,
     local_params,
     loss_backward_bytes,
     state_bytes,
@@ -180,6 +181,11 @@ class CostOptions:
     cp_overlap: fraction of the layer's attention compute that hides context parallelism's K/V exchange (0 in
         mlm-run, which all-gathers K/V before the attention; Megatron-Core's ring attention, cp_comm_type p2p,
         sends the next chunk's K/V while the current one's attention runs, so up to all of it).
+    expert_tensor_parallel: under tp > 1 the routed experts of an MoE layer are split over the tp ranks like an
+        MLP, their combined output all-reduced (Megatron-Core's expert-tensor parallelism, whose size defaults to
+        the tp size); False: each tp rank keeps its experts whole and runs them on the tokens the tp group shares
+        (on its token shard under SP), with no tp collective (mlm-run: tensor parallelism leaves the expert banks
+        unsharded, runtime/expert_parallel.py; measured by mlm-run --dry-run).
     """
 
     dp_overlap: float = 1.0
@@ -195,6 +201,7 @@ class CostOptions:
     loss_bytes: float = 4.0
     zero1_gathers_every_microbatch: bool = True
     recompute_repeats_every_reduction: bool = False
+    expert_tensor_parallel: bool = False
 
 
 def with_loss_bytes(inputs: ModelCostInputs, loss_bytes: float) -> ModelCostInputs:
@@ -205,6 +212,12 @@ def with_loss_bytes(inputs: ModelCostInputs, loss_bytes: float) -> ModelCostInpu
     post, r = inputs.post, loss_bytes / FP32_BYTES
     saved = max(0.0, post.act_sharded - (1.0 - r) * post.loss_logits_bytes)
     return replace(inputs, post=replace(post, act_sharded=saved, loss_logits_bytes=r * post.loss_logits_bytes))
+
+
+def _as_run(inputs: ModelCostInputs, layout: Layout, options: CostOptions) -> ModelCostInputs:
+    """`inputs` as the runtime of `options` runs them under `layout`'s tp (inputs.for_tp) and loss precision."""
+    tp_run = for_tp(inputs, layout.tp, layout.sequence_parallel, options.expert_tensor_parallel)
+    return with_loss_bytes(tp_run, options.loss_bytes)
 
 
 def on_cluster(options: CostOptions, cluster: ClusterProfile | None) -> CostOptions:
@@ -624,7 +637,7 @@ def evaluate(
     _check(inputs, layout, assignment)
     counts = assignment.blocks_per_stage
     rcs = assignment.recompute_blocks or (counts if layout.recompute != "none" else (0,) * num_stages)
-    inputs = with_loss_bytes(for_tp(inputs, layout.tp, layout.sequence_parallel), options.loss_bytes)
+    inputs = _as_run(inputs, layout, options)
     whole = inputs
     inputs = cp_share(inputs, layout.cp)
     tp_link = group_link(cluster, tp, 1)
@@ -708,11 +721,9 @@ def moe_share(inputs: ModelCostInputs) -> float:
 
 def rank_params(layer: LayerCost, tp: int, ep: int) -> tuple[float, float]:
     """(all, routed-expert) parameters of `layer` one rank holds: the dense part ÷tp (or replicated), the routed
-    experts ÷(tp·ep) (expert-tensor parallel size tp, layout.py)."""
-    if ep == 1:
-        return local_params(layer, tp), layer.expert_params / tp
-    experts = layer.expert_params / (tp * ep)
-    return (layer.params_sharded - layer.expert_params) / tp + layer.params_replicated + experts, experts
+    experts ÷ep, and ÷tp as well where expert-tensor parallelism splits them (inputs.for_tp)."""
+    experts = local_expert_params(layer, tp)
+    return local_params(layer, tp) - experts * (1.0 - 1.0 / ep), experts / ep
 
 
 def stage_state_bytes(
@@ -986,7 +997,7 @@ def stage_coefficients(
 ) -> StageCoefficients:
     """Per-block time and memory coefficients under `layout`, computed by the same functions evaluate() uses."""
     options = on_cluster(options, cluster)
-    inputs = with_loss_bytes(for_tp(inputs, layout.tp, layout.sequence_parallel), options.loss_bytes)
+    inputs = _as_run(inputs, layout, options)
     tp, zero = layout.tp, layout.zero
     inputs = cp_share(inputs, layout.cp)
     seq = max(1, inputs.seq_len // layout.cp)

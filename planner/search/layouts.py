@@ -109,7 +109,12 @@ class SearchResult:
 
 
 def search(
-    ir: ModelIR, request: PlanRequest, gpu: GPUProfile, cluster: ClusterProfile, sharder: Sharder | None = None
+    ir: ModelIR,
+    request: PlanRequest,
+    gpu: GPUProfile,
+    cluster: ClusterProfile,
+    sharder: Sharder | None = None,
+    exclude: frozenset[tuple[int, bool]] = frozenset(),
 ) -> SearchResult:
     """The fastest fitting layout for `request`; raises Infeasible with what would make it feasible. Every
     candidate is priced with the tensor-parallel styles the sharding ILP chooses for its (tp, sp) (`sharder`,
@@ -121,10 +126,11 @@ def search(
     assignment at any recompute level (memory grows with the micro-batch), and recompute levels above the first
     that fits balanced (queued unevaluated: their lower bound is the same). Refinement, best first by
     stage_lower_bound: each queued layout gets the stage MILP (uneven stages, per-stage recompute counts) until
-    the bound reaches the best step time found; no other cut is made, so a pin can only remove candidates."""
+    the bound reaches the best step time found; no other cut is made, so a pin can only remove candidates.
+    `exclude`: (tp, sequence parallelism) pairs not to consider (the sharding ILP found no runnable sharding)."""
     start = time.perf_counter()
     validate_request(ir, request, cluster)
-    s = _Search(priced_inputs(ir, request, gpu, cluster, sharder), ir, request, gpu, cluster)
+    s = _Search(priced_inputs(ir, request, gpu, cluster, sharder), ir, request, gpu, cluster, exclude=exclude)
     for group in _groups(ir, request, cluster):
         s.enumerate_group(group)
     s.refine()
@@ -166,6 +172,7 @@ class _Search:
     limit_stops: list[tuple[Layout, str]] = field(default_factory=list)
     rest: list[tuple[float, int, Layout, Evaluation | None]] = field(default_factory=list)  # not refined
     settled: set[Layout] = field(default_factory=set)  # recompute-free layouts whose balanced stages are optimal
+    exclude: frozenset[tuple[int, bool]] = frozenset()  # (tp, sp) pairs search() was told to leave out
 
     def evaluate(self, layout: Layout) -> Evaluation:
         self.evaluated += 1
@@ -184,7 +191,7 @@ class _Search:
         if not ev.fits and not self._may_fit(probe, ev):
             self.misses.append(Candidate(probe, ev))
             return
-        for _, levels in _variants(self.ir, self.request, group):
+        for _, levels in _variants(self.ir, self.request, group, self.exclude):
             bound = self._cheap_bound(levels[0])  # recompute does not enter the bound: one for all levels
             for layout in levels:
                 self._push(bound, layout, None)
@@ -874,9 +881,11 @@ def _vpp_options(ir: ModelIR, request: PlanRequest, pp: int) -> list[int]:
     return [v for v in range(1, ir.num_layers // pp + 1) if v == 1 or ir.num_layers % (pp * v) == 0]
 
 
-def _variants(ir: ModelIR, request: PlanRequest, group: Group) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
-    """For each micro-batch (increasing), vpp and sp: the key (vpp, sp) and the runnable layouts in increasing
-    recompute order."""
+def _variants(
+    ir: ModelIR, request: PlanRequest, group: Group, exclude: frozenset[tuple[int, bool]] = frozenset()
+) -> Iterator[tuple[tuple[int, bool], list[Layout]]]:
+    """For each micro-batch (increasing), vpp and sp (but the (tp, sp) pairs in `exclude`): the key (vpp, sp) and
+    the runnable layouts in increasing recompute order."""
     tp, pp, dp = group[:3]
     recomputes = [request.recompute] if request.recompute else list(RECOMPUTE_CHOICES)
     sps = (
@@ -886,6 +895,8 @@ def _variants(ir: ModelIR, request: PlanRequest, group: Group) -> Iterator[tuple
     for mb in _micro_batches(request, dp):
         for vpp in vpps:
             for sp in sps:
+                if (tp, bool(sp)) in exclude:
+                    continue
                 levels = []
                 for rc in recomputes:
                     layout = _group_layout(request, group, mb, vpp, bool(sp), rc)

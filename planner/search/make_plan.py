@@ -66,7 +66,19 @@ def make_plan(
         notes = _unpinned_mesh_notes(ir, request)
     else:
         result = search(ir, request, gpu, cluster, shard)
-        result, sharding = _first_shardable(result, shard, request.top_k)
+        try:
+            result, sharding = _first_shardable(result, shard, request.top_k)
+        except Infeasible as every_ranked:
+            # every ranked layout had a (tp, sp) the sharding ILP cannot run (a search prices layouts before they
+            # are sharded): search again without those pairs; the skipped ones stay in shard.skipped for --explain
+            bad = shard.bad_keys()
+            if not bad:
+                raise
+            try:
+                result = search(ir, request, gpu, cluster, shard, exclude=bad)
+            except Infeasible:
+                raise every_ranked from None
+            result, sharding = _first_shardable(result, shard, request.top_k)
         best = result.best
         alts = alternatives(result, request.top_k)
         how = (

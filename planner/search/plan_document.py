@@ -81,6 +81,7 @@ def predicted_collectives(
             MLM_RUN.zero3_reduce_every_microbatch,
             units,
             assignment.recompute_blocks if assignment else None,
+            MLM_RUN.expert_tensor_parallel,
         )
         out.append({op: {"count": c.count, "bytes": c.bytes} for op, c in sorted(ops.items())})
     return out

@@ -51,6 +51,10 @@ class Sharder:
     def known_bad(self, tp: int, sequence_parallel: bool) -> bool:
         return isinstance(self.done.get((tp, sequence_parallel)), str)
 
+    def bad_keys(self) -> frozenset[tuple[int, bool]]:
+        """The (tp, sequence parallelism) pairs solved so far that have no runnable sharding."""
+        return frozenset(k for k, v in self.done.items() if isinstance(v, str))
+
     def priced_inputs(self, keys: Iterable[tuple[int, bool]]) -> ModelCostInputs:
         """The cost inputs of the model with the blocks split as the ILP splits them at each (tp, sp) of `keys`
         (Megatron's rule where the ILP agrees with it, or where it finds no sharding: such layouts are skipped

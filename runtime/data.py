@@ -119,8 +119,10 @@ class ExampleSource:
     def batch(self, step: int, dp_rank: int, dp: int, device: torch.device) -> Batch:
         """This data-parallel rank's (inputs, targets): global_batch / dp rows of every tensor."""
         rows = self.global_batch // dp
-        return tree_map(  # clone: a view would keep the whole global batch alive (images are not small)
-            lambda t: t[dp_rank * rows : (dp_rank + 1) * rows].clone().to(device) if isinstance(t, torch.Tensor) else t,
+        return tree_map(  # a copy on the device: a view would keep the whole global batch alive (images are not small)
+            lambda t: (
+                t[dp_rank * rows : (dp_rank + 1) * rows].to(device, copy=True) if isinstance(t, torch.Tensor) else t
+            ),
             self.global_batch_at(step),
         )
 

@@ -150,6 +150,30 @@ def style_for(
     raise PlanFileError(f"plan.json: unknown tensor_parallel style {style!r}")
 
 
+def _local_leaves(model: nn.Module, styles: dict[str, str]) -> dict[str, str]:
+    """`styles` with a 'heads' style (replicated weights on a rank-local input) on a module that has submodules
+    (the routed experts of an MoE layer under SP: an nn.ModuleList of expert modules) moved to each submodule
+    holding parameters: SequenceParallel replicates only a module's direct parameters, and DTensor then sums each
+    one's partial gradient over tp. Parameters on the module itself beside its submodules are refused."""
+    out = dict(styles)
+    for name, style in styles.items():
+        module = model.get_submodule(name)
+        if style != "heads" or next(module.children(), None) is None:
+            continue
+        own = next((p for p, _ in module.named_parameters(recurse=False)), None)
+        if own is not None:
+            raise PlanFileError(
+                f"{name}: sequence parallelism runs it on the rank's token shard with replicated weights, but it "
+                f"holds the parameter {own!r} beside its submodules, which that cannot replicate: plan without "
+                f"sequence parallelism"
+            )
+        del out[name]
+        for sub, m in module.named_modules():
+            if sub and next(m.parameters(recurse=False), None) is not None:
+                out[f"{name}.{sub}"] = "heads"
+    return out
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_map: dict[str, str],
@@ -172,6 +196,7 @@ def apply_tensor_parallel(
     names = [n for n, _ in model.named_modules() if n]
     concrete = expand_tp_map(tp_map, names)
     concrete = {n: s for n, s in concrete.items() if not isinstance(model.get_submodule(n), _FOREIGN)}
+    concrete = _local_leaves(model, concrete)
     tp = mesh.size()
     regions = find_regions(model, concrete, tp, num_heads, calls)
     in_region = {lin: r for r in regions for lin in (*r.colwise, *r.rowwise)}

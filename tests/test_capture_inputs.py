@@ -119,3 +119,24 @@ def test_position_lookup_past_the_table_is_caught_although_meta_runs_it() -> Non
     assert ir.seq_len == 30
     assert any("cannot run at this length" in w and "--seq-len 20" in w for w in ir.warnings)
     assert not any("cannot run" in w for w in capture(spec, seq_len=20).warnings)
+
+
+@pytest.mark.parametrize(("path", "entry", "seq"), [(str(MODELS / "hf_vit.py"), None, None), (HF, "build_gpt2", 32)])
+def test_batch_bytes_are_what_the_runtime_puts_on_a_rank(path: str, entry: str | None, seq: int | None) -> None:
+    """ModelIR.batch_bytes, per sample, equals the bytes of the batch mlm-run's data source gives a rank (its
+    tensors as they reach the device: a ViT's fp32 images and int64 labels, GPT-2's int64 ids and targets)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    from mlm.runtime.data import ExampleSource, TokenSource
+
+    spec = load_model_spec(path, entry, {})
+    ir = capture(spec, seq_len=seq)
+    rows = 4
+    if spec.example_inputs is not None:
+        source = ExampleSource(spec.example_inputs, ir.seq_len, rows, seed=0)
+    else:
+        source = TokenSource(ir.vocab_size, ir.seq_len, rows, seed=0)
+    batch = source.batch(0, dp_rank=0, dp=1, device=torch.device("cpu"))
+    held = sum(t.untyped_storage().nbytes() for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    assert ir.batch_bytes * rows == held > 0

@@ -455,6 +455,19 @@ def test_experts_under_tensor_parallelism_dry_run_as_priced(tmp_path: Path) -> N
     _assert_matches_plan(_dry_run_doc(path), "moe tp2")
 
 
+def test_experts_on_the_token_shard_dry_run_as_priced(tmp_path: Path) -> None:
+    """Under SP the routed experts of a per-token MoE (moe_per_token.py) run whole on the rank's token shard and
+    each expert weight's gradient is all-reduced over tp: every collective as priced, bytes within 1% (the plan
+    counted one of the two linears of each expert, read through the op that weighs the expert's output, and the
+    run reduced none of them before the experts had a style)."""
+    from conftest import MODELS
+
+    pins = ("--gpus", "2", "--tp", "2", "--sequence-parallel", "--pp", "1", "--ep", "1", "--zero", "0")
+    shape = ("--seq-len", "32", "--global-batch", "8", "--micro-batch", "4", "--recompute", "none")
+    path = write_plan(tmp_path, "moe-sp", [str(MODELS / "moe_per_token.py"), *shape, *pins])
+    _assert_matches_plan(_dry_run_doc(path), "moe sp", bytes_rel=0.01)
+
+
 def test_dry_run_of_experts_in_a_module_list_says_why_it_cannot(tmp_path: Path) -> None:
     """Experts in an nn.ModuleList run the model's own dispatch loop, whose per-expert sizes come from the routing's
     values: the dry run stops with that reason (exit 2), not an internal error."""
@@ -487,8 +500,10 @@ def test_models_fed_by_example_inputs_dry_run_as_priced(model: str, pins: tuple[
 def test_a_pipeline_of_a_model_fed_by_example_inputs_dry_runs(tmp_path: Path) -> None:
     """A ViT at tp2·pp2: its batches are a dict of pixel values, which the dry run's pipeline step cut into
     micro-batches with Tensor.chunk and failed on (T5, Swin and Whisper too); now split as mlm-run splits them.
-    Collectives as priced. Its peak is not checked here: under pp the ViT's activations are under-predicted
-    (measured +10% / +46% at this batch, +6% without pp; an open item of issue 11)."""
+    Collectives as priced. Peaks within 15%: every stage holds the rank's fp32 images for the step (priced since
+    ModelIR.batch_bytes: the last stage measured +46% before, -6% / +13% after); what remains unpriced is the
+    model's own cast of the images back to its embedding weight's dtype (fp32 outside FSDP2's unit) beside the
+    root unit's bf16 cast."""
     pytest.importorskip("transformers")
     from conftest import MODELS
 
@@ -496,7 +511,7 @@ def test_a_pipeline_of_a_model_fed_by_example_inputs_dry_runs(tmp_path: Path) ->
     plan = write_plan(tmp_path, "vit-pp", [str(MODELS / "hf_vit.py"), *pins])
     doc = _dry_run_doc(plan)
     assert len(doc["ranks"]) == 2
-    _assert_matches_plan(doc, "vit pp2", peak_rel=None)
+    _assert_matches_plan(doc, "vit pp2", peak_rel=0.15)
 
 
 def test_a_dit_timestep_embedder_needs_no_backward_all_reduce(tmp_path: Path) -> None:

@@ -141,3 +141,26 @@ def test_mlm_run_runs_an_ep_plan_from_the_command_line(plans: dict[str, Path], t
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ep2" in proc.stdout + proc.stderr
     assert len(log.read_text().splitlines()) == 2
+
+
+def test_routed_experts_under_tensor_parallelism_train_what_one_process_trains(tmp_path: Path) -> None:
+    """Tensor parallelism keeps the routed experts whole on every tp rank. Under SP they run on the rank's token
+    shard, so each expert weight's gradient is a partial sum over tp: mlm-plan gives the experts style 'heads'
+    (replicated weights on a rank-local input, gradients summed over tp), which mlm-run applies to each expert's
+    linears. A per-token MoE (experts in an nn.ModuleList) at tp2 with and without SP against one process, 5
+    steps, SGD and AdamW. Before, mlm-run failed on this plan (a style on the MoE module, which DTensor cannot
+    replicate with its submodules); without the experts' style the second AdamW loss differs (5.0500 / 5.0478)."""
+    model = str(MODELS / "moe_per_token.py")
+    shape = ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--pp", "1", "--ep", "1"]
+    shape += ["--recompute", "none", "--zero", "0"]
+    one = write_plan(tmp_path, "one", [model, *shape, "--gpus", "1"])
+    sp = write_plan(tmp_path, "sp", [model, *shape, "--gpus", "2", "--tp", "2", "--sequence-parallel"])
+    nosp = write_plan(tmp_path, "nosp", [model, *shape, "--gpus", "2", "--tp", "2", "--no-sequence-parallel"])
+    styles = load_plan(sp).tensor_parallel
+    assert styles["blocks.0.moe.experts"] == "heads" and "blocks.0.moe.experts" not in load_plan(nosp).tensor_parallel
+    still = RunOptions(steps=1, optimizer="sgd", lr=0.0, seed=0, device="cpu")
+    ref = run_workers(1, train_runs, [(str(one), SGD), (str(one), ADAMW), (str(one), still)])
+    initial = merged(ref, 2)[1]
+    got = run_workers(2, train_runs, [(str(p), o) for p in (sp, nosp) for o in (SGD, ADAMW)], timeout=400)
+    for i, (p, opt) in enumerate((p, o) for p in ("sp", "nosp") for o in ("sgd", "adamw")):
+        _compare(merged(got, i), merged(ref, i % 2), initial, opt, f"tp2 {p} {opt}")

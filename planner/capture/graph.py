@@ -83,6 +83,7 @@ class MoEIR:
     capacity_factor: float = 1.0
     tokens: int = 0  # tokens per sample entering the router (rows of the router GEMM)
     how: str = ""  # the structure it was recognised by (one phrase, for the warning)
+    expert_modules: tuple[str, ...] = ()  # FQNs of the experts: the fused bank, or the list of expert modules
 
     @property
     def routed_params(self) -> int:
@@ -178,6 +179,9 @@ class ModelIR:
     reused_modules: tuple[str, ...] = ()
     # parameters outside every layer (a ViT's class token on the root module): mlm-run keeps a copy on every stage
     root_params: tuple[str, ...] = ()
+    # bytes per sample of the batch mlm-run puts on each rank for a step (runtime/data.py): the (inputs, targets)
+    # tensors as example_inputs returns them (images in fp32), else int64 token ids and targets
+    batch_bytes: float = 0.0
 
     @property
     def moe_layers(self) -> tuple[LayerIR, ...]:

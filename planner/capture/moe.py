@@ -73,6 +73,7 @@ def _recognise(fqn: str, module: nn.Module, capacity_factor: float) -> MoESite |
         top_k_from=top_k_from,
         expert_params=per_expert,
         expert_gemms=tuple(gemms),
+        expert_modules=tuple(names),
         router=router_name,
         router_params=router_params,
         shared_modules=tuple(n for n, _ in shared),

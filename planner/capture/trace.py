@@ -170,7 +170,21 @@ def capture(
         carried_bytes=found.carried_bytes,
         reused_modules=found.reused_modules,
         root_params=found.root_params,
+        batch_bytes=_batch_bytes(spec, seq),
     )
+
+
+def _batch_bytes(spec: ModelSpec, seq: int) -> float:
+    """Bytes per sample of the batch mlm-run holds on a rank (runtime/data.py): the tensors example_inputs(1, seq)
+    returns, in their own dtypes, else token ids and targets (int64, seq each)."""
+    if spec.example_inputs is None:
+        return 2.0 * 8 * seq
+    try:
+        with torch.device("meta"):
+            leaves = tree_leaves(example_batch(spec.example_inputs, 1, seq))
+    except Exception:  # noqa: BLE001 - the capture itself ran example_inputs; a second failure prices no batch
+        return 0.0
+    return float(sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)))
 
 
 def inputs_follow_seq_len(spec: ModelSpec, seq: int) -> bool:
@@ -386,6 +400,7 @@ def _renamed(block: LayerIR, name: str, kind: str) -> LayerIR:
             module=move(moe.module),
             router=move(moe.router),
             shared_modules=tuple(move(m) for m in moe.shared_modules),
+            expert_modules=tuple(move(m) for m in moe.expert_modules),
         )
     return replace(block, name=name, linears=linears, moe=moe, block_kind=kind)
 
@@ -660,7 +675,10 @@ def build_layers(
     dropped = _expert_ops(calls, params, sites)
     inert = is_param | (set(calls) - dependent) | dropped
     parameter_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    trainable = {n for n, name in params.items() if _strip_root(name) in parameter_names}  # not buffers
+    # not buffers, nor routed experts' weights: their ops are dropped (inert), and an op computed from an expert's
+    # output would otherwise count as reading them (the op graph's `params`, which price SP / per-head gradients)
+    routed = {p for site in sites.values() for p in site.expert_params}
+    trainable = {n for n, name in params.items() if (s := _strip_root(name)) in parameter_names and s not in routed}
     layers = []
     for name in order:
         nodes = [n for n in calls if owner[n] == name and n not in dropped]

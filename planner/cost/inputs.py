@@ -117,6 +117,7 @@ class LayerCost:
     expert_tp_count: int = 0
     expert_tp_bytes: float = 0.0
     experts_whole: float = 0.0
+    expert_tensor_count: int = 0  # the routed experts' parameter tensors (each expert's, or a fused bank's)
     dispatch_bytes: float = 0.0  # one all-to-all's bytes per sample: tokens·top_k·capacity·hidden·compute bytes
     # MoE layers merged into this one, and the bytes of the per-expert row counts each exchanges first (int64, one
     # per routed expert: mlm-run's all-to-all of the counts before the dispatch)
@@ -150,6 +151,7 @@ class ModelCostInputs:
     compute_bytes: float = 2.0
     # per sample: activations that skip over blocks, carried across a stage boundary beside the block output
     carried_bytes: float = 0.0
+    batch_bytes: float = 0.0  # per sample: the batch tensors on the device (ModelIR.batch_bytes)
 
     @property
     def num_blocks(self) -> int:
@@ -257,6 +259,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         active_params=_active_params(ir),
         compute_bytes=float(ir.compute_bytes),
         carried_bytes=float(ir.carried_bytes),
+        batch_bytes=float(getattr(ir, "batch_bytes", 0.0)),
     )
 
 
@@ -295,10 +298,18 @@ def for_tp(
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
 
 
+def _expert_tensors(moe: MoEIR) -> int:
+    """Parameter tensors of a layer's routed experts: each GEMM's weight and bias, once per expert in a list of
+    expert modules, once in all for a fused bank (3-D weights)."""
+    per = sum(1 + int(g.has_bias) for g in moe.expert_gemms)
+    return per if "fused" in moe.how else per * moe.num_experts
+
+
 def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
     """`c` with its routed experts kept whole on every tp rank (mlm-run: tensor parallelism leaves the expert banks
-    unsharded): they compute all the tokens the tp group shares (under SP, the rank's token shard), keep their
-    activations and parameters whole and reduce nothing over tp."""
+    unsharded): they compute all the tokens the tp group shares and reduce nothing over tp; under SP they run on
+    the rank's token shard, and each expert weight's gradient, a partial sum over the shards, is all-reduced over
+    tp as the SP norms' are (sp_param_*)."""
     moved = c.expert_params - c.experts_whole
     if not moved and not c.expert_tp_count:
         return c
@@ -312,6 +323,8 @@ def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
         params_sharded=max(c.params_sharded - moved, 0.0),
         params_replicated=c.params_replicated + moved,
         experts_whole=c.expert_params,
+        sp_param_count=c.sp_param_count + (c.expert_tensor_count if sp else 0),
+        sp_param_elems=c.sp_param_elems + (moved if sp else 0.0),
         act_sharded=c.act_sharded - c.expert_act,
         act_replicated=c.act_replicated + c.expert_act,
         mem_sharded=c.mem_sharded - c.expert_mem,
@@ -439,6 +452,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         expert_mem=expert_mem,
         expert_tp_count=moe_layers,
         expert_tp_bytes=out_bytes,
+        expert_tensor_count=_expert_tensors(moe) if moe is not None else 0,
         dispatch_bytes=dispatch,
         moe_layer_count=moe_layers,
         expert_counts_bytes=counts_bytes,

@@ -561,6 +561,12 @@ def _stage_blocks(
     return tuple(out)  # type: ignore[return-value]
 
 
+def rank_batch_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
+    """The step's batch on each rank, on every pipeline stage (runtime/data.py: each stage's forward reads the
+    inputs and targets): its data-parallel share of the global batch, micro_batch · num_microbatches samples."""
+    return inputs.batch_bytes * layout.micro_batch * layout.num_microbatches
+
+
 def _rank_wide_bytes(inputs: ModelCostInputs, layout: Layout, gathered: bool = True) -> tuple[float, float]:
     """(ZeRO-3 gather buffer, full recompute's working activations): one block's worth per GPU, the largest
     kind's when blocks differ."""
@@ -657,6 +663,7 @@ def evaluate(
     p_post += inputs.tied_params / vocab_shards(inputs, tp) if pp > 1 else 0.0
     reserve = cluster.memory_reserve_gib * GIB
     buffer, working = _rank_wide_bytes(inputs, layout, g)
+    batch = rank_batch_bytes(inputs, layout)
     buffers = stage_buffer_bytes(inputs, layout, options)
     recomputing = [any(rcs[i] for i in range(r, num_stages, pp)) for r in range(pp)]
     names = inputs.block_names
@@ -685,7 +692,10 @@ def evaluate(
             static.params + (buffer if rank_wide else 0.0),
             static.grads,
             static.optimizer,
-            flight[i] * acts + buffers[i] + (working if rank_wide and recomputing[i] else 0.0),
+            flight[i] * acts
+            + buffers[i]
+            + (working if rank_wide and recomputing[i] else 0.0)
+            + (batch if rank_wide else 0.0),
             reserve if rank_wide else 0.0,
         )
         layers = (inputs.pre.names if first else ()) + names[pos : pos + n] + (inputs.post.names if last else ())
@@ -1024,7 +1034,7 @@ def stage_coefficients(
         return t.forward_s + t.backward_s + t.tp_s + (t.ep_s + t.cp_s)
 
     buffer, working = _rank_wide_bytes(inputs, layout, g)
-    fixed = cluster.memory_reserve_gib * GIB + buffer + working
+    fixed = cluster.memory_reserve_gib * GIB + buffer + working + rank_batch_bytes(inputs, layout)
     kind_time = [time(b.times) for b in terms]
     kind_extra = [b.times.recompute_s for b in terms]
     kind_static = [static(b.params, b.experts) for b in terms]

@@ -253,6 +253,12 @@ def plan_tensor_parallel(
             layouts.update({rename(m): lay for m, lay in sol.layouts.items()})
             splits.update({rename(m): sp for m, sp in sol.splits.items()})
             states[layer.name] = sol.states  # node names are the shared graph's: no renaming
+            moe = getattr(layer, "moe", None)
+            if sequence_parallel and moe is not None:
+                # routed experts stay whole on every tp rank; under SP they run on the rank's token shard, so
+                # each expert weight's gradient is a partial sum over tp: style "heads" (replicated weights on a
+                # rank-local input, gradients summed over tp)
+                styles.update(dict.fromkeys(moe.expert_modules, "heads"))
             collectives[layer.name] = tuple(
                 Collective(c.kind, rename(c.module), c.tensor_bytes) for c in sol.collectives
             )

@@ -1,5 +1,6 @@
 """A top-2 mixture of experts whose dispatch keeps batch and sequence apart: every expert runs on every (batch, seq)
 position and is weighted by its routing gate (dense one-hot), experts in an nn.ModuleList."""
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

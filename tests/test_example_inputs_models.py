@@ -241,3 +241,17 @@ def test_context_parallelism_is_not_planned_for_cross_or_unrecognised_masked_att
     ir = capture(spec, seq_len=16)
     with pytest.raises(Infeasible, match="attention, which mlm-run's context parallelism cannot split"):
         make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=4, cp=2))
+
+
+@pytest.mark.parametrize("name", ["hf_whisper.py", "hf_t5.py"])
+def test_every_layer_of_an_encoder_decoder_is_on_one_stage(name: str) -> None:
+    """plan.json's stages hold every layer once, in order, whatever the stage MILP assigns: the layers between
+    the encoder and decoder stacks (a final norm, the decoder's embeddings) run with the block before them, as the
+    cost model prices them. Whisper at pp2 lost its decoder layers before (the MILP's block counts were applied to
+    a list that also held those layers) and mlm-run refused the plan."""
+    spec, ir = _captured(name)
+    for pp in (2, 4):
+        request = PlanRequest(num_gpus=pp, global_batch=8, pp=pp, tp=1, dp=1, vpp=1)
+        plan = make_plan(spec, ir, request).plan
+        placed = [layer for stage in plan.stages for layer in stage.layers]
+        assert placed == [layer.name for layer in ir.layers], (name, pp)

@@ -67,6 +67,7 @@ class GraphFacts:
     # "<reader> reads the output of <layer>" for each connection that skips over a block (trace.pipeline_skips)
     pipeline_skips: tuple[str, ...] = ()
     carried_bytes: float = 0.0  # per sample: the most those connections carry across one block boundary
+    carried_by_boundary: tuple[float, ...] = ()  # per sample, across the boundary before each block but the first
     reused_modules: tuple[str, ...] = ()  # "<module> of <block>": a block's submodule called outside the block
     root_params: tuple[str, ...] = ()  # parameters outside every layer (a ViT's class token on the root module)
 

@@ -174,6 +174,7 @@ class ModelIR:
     # per sample, the most bytes such connections carry across one block boundary beside the block's input (what
     # mlm-run's pipeline stages send on for them; priced with every boundary's activation)
     carried_bytes: float = 0.0
+    carried_by_boundary: tuple[float, ...] = ()  # the same before each block but the first (pipeline_skips)
     # "<module> of <block>": a block's submodule that the model also calls outside the block (a DiT's head calls
     # its first block's timestep embedder): FSDP gathers a block's weights only around the block's own call
     reused_modules: tuple[str, ...] = ()

@@ -168,6 +168,7 @@ def capture(
         token_inputs=token_inputs,
         pipeline_skips=found.pipeline_skips,
         carried_bytes=found.carried_bytes,
+        carried_by_boundary=found.carried_by_boundary,
         reused_modules=found.reused_modules,
         root_params=found.root_params,
         batch_bytes=_batch_bytes(spec, seq),
@@ -703,7 +704,9 @@ def build_layers(
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     weights = {n for n, name in params.items() if _strip_root(name) in names}  # not buffers (rotary inv_freq)
     blocks = [layer.name for layer in layers if layer.kind == "block"]
-    skips, carried = pipeline_skips(graph, calls, owner, weights, blocks, {x.name: x.output_bytes for x in layers})
+    skips, carried, by_boundary = pipeline_skips(
+        graph, calls, owner, weights, blocks, {x.name: x.output_bytes for x in layers}
+    )
     inside = {id(p) for name in order if name in modules for p in modules[name].parameters()}
     roots = tuple(name for name, p in model.named_parameters() if id(p) not in inside)
     containers = tuple(g.fqn for g in groups)
@@ -713,6 +716,7 @@ def build_layers(
         unused_params=unused_parameters(model, read),
         pipeline_skips=skips,
         carried_bytes=carried,
+        carried_by_boundary=by_boundary,
         reused_modules=reused,
         root_params=roots,
     )
@@ -740,13 +744,14 @@ def pipeline_skips(
     weights: set[torch.fx.Node],
     blocks: list[str],
     output_bytes: dict[str, float],
-) -> tuple[tuple[str, ...], float]:
+) -> tuple[tuple[str, ...], float, tuple[float, ...]]:
     """Connections that skip over a block: a layer reading a value computed from the weights (an activation) by a
     layer with a block between them, as a U-Net's up blocks read its down blocks and time embedding, or T5's
     decoder reads its encoder; and the most bytes per sample that such connections carry across one block
     boundary (the producing layers' outputs, as mlm-run's stages carry them beside the next block's input,
-    runtime/stages.py carry_plan). Values computed from the batch and buffers alone (position ids, rotary tables,
-    masks) are recomputed by every stage and do not count."""
+    runtime/stages.py carry_plan), and what they carry across each boundary between two blocks (before block j,
+    j >= 1: the outputs of layers before block j that block j or a later layer reads). Values computed from the
+    batch and buffers alone (position ids, rotary tables, masks) are recomputed by every stage and do not count."""
     weighted: set[torch.fx.Node] = set()
     for n in graph.nodes:
         if n in weights or any(a in weighted for a in _inputs(n)):
@@ -764,7 +769,11 @@ def pipeline_skips(
             if any(pos[source] < b < pos[reader] for b in block_pos):
                 found[(reader, source)] = None
     crossing = [sum(output_bytes.get(s, 0.0) for s in {s for r, s in found if pos[s] < b < pos[r]}) for b in block_pos]
-    return tuple(f"{reader} reads the output of {source}" for reader, source in found), max(crossing, default=0.0)
+    boundaries = tuple(
+        sum(output_bytes.get(s, 0.0) for s in {s for r, s in found if pos[s] < b <= pos[r]}) for b in block_pos[1:]
+    )
+    skips = tuple(f"{reader} reads the output of {source}" for reader, source in found)
+    return skips, max(crossing, default=0.0), boundaries
 
 
 def _expert_ops(

@@ -53,12 +53,19 @@ class CollectiveCount:
         return CollectiveCount(self.count + other.count, self.bytes + other.bytes)
 
 
-def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout) -> float:
+def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout, before_block: int | None = None) -> float:
     """What one tp rank sends across a pipeline boundary per micro-batch: its sequence shard under sequence
     parallelism, else the whole (replicated) activation (also the size of each pipeline receive buffer), and the
-    activations that skip over blocks (a U-Net's), carried beside it (the most any boundary carries)."""
-    block = inputs.block.output_bytes / (layout.tp if layout.sequence_parallel else 1)
-    return layout.micro_batch * (block + inputs.carried_bytes)
+    activations that skip over blocks (a U-Net's skips, T5's encoder output), carried beside it: across the
+    boundary before block `before_block` where the inputs know it, else the most any boundary carries."""
+    output, carried = inputs.block.output_bytes, inputs.carried_bytes
+    by_boundary = inputs.carried_by_boundary
+    if before_block is not None and 0 < before_block < inputs.num_blocks:
+        if len(inputs.block_costs) == inputs.num_blocks:  # the output of the block before it (T5's first block
+            output = inputs.block_costs[before_block - 1].output_bytes  # also returns its position bias)
+        if len(by_boundary) == inputs.num_blocks - 1:
+            carried = by_boundary[before_block - 1]
+    return layout.micro_batch * (output / (layout.tp if layout.sequence_parallel else 1) + carried)
 
 
 def sp_norm_bytes(layout: Layout, compute_bytes: float, grad_reduce_bytes: float, zero3_every: bool) -> float:
@@ -220,9 +227,12 @@ def rank_collectives(
             expert_params += experts / layout.ep
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
         unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
-        if pp > 1:
-            boundary = pipeline_boundary_bytes(inputs, layout)
-            _add(out, "send", m * ((i < last) + (i > 0)), m * boundary * ((i < last) + (i > 0)))
+        if (
+            pp > 1
+        ):  # the activation forward across the boundary after the stage, its gradient back across the one before
+            after = pipeline_boundary_bytes(inputs, layout, first_block + n) if i < last else 0.0
+            before = pipeline_boundary_bytes(inputs, layout, first_block) if i > 0 else 0.0
+            _add(out, "send", m * ((i < last) + (i > 0)), m * (after + before))
     if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
         vs = vocab_shards(inputs, layout.tp)
         # the IR counts tied parameters at the embedding: the rank with the head but not the embedding holds a copy

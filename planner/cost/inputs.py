@@ -152,6 +152,8 @@ class ModelCostInputs:
     # per sample: activations that skip over blocks, carried across a stage boundary beside the block output
     carried_bytes: float = 0.0
     batch_bytes: float = 0.0  # per sample: the batch tensors on the device (ModelIR.batch_bytes)
+    # per sample, what crosses the boundary before each block but the first beside the block input (ModelIR)
+    carried_by_boundary: tuple[float, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -223,9 +225,11 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         cost = _layer_cost(layer, ir, own(layer), sequence_parallel)
         if layer.kind == "block":
             costs.append(cost)
-        else:  # between two stacks (an encoder's final norm): run with the block before it
+        else:  # between two stacks (an encoder's final norm): run with the block before it; what the next block
+            # reads is computed from the two outputs (a decoder's token and position embeddings, added by root code)
             merged = _merge([costs[-1], cost])
-            costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim)
+            output = max(costs[-1].output_bytes, cost.output_bytes)
+            costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim, output_bytes=output)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[:first]])
     # SP's scatter of the first block's input: its backward all-gathers that input's gradient (the hidden state,
@@ -260,6 +264,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         compute_bytes=float(ir.compute_bytes),
         carried_bytes=float(ir.carried_bytes),
         batch_bytes=float(getattr(ir, "batch_bytes", 0.0)),
+        carried_by_boundary=tuple(getattr(ir, "carried_by_boundary", ())),
     )
 
 

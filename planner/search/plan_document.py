@@ -33,9 +33,16 @@ def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None
     kinds = [layer.kind for layer in ir.layers]
     first = kinds.index("block")
     last = len(kinds) - 1 - kinds[::-1].index("block")
-    blocks = names[first : last + 1]
+    # each block with the layers between it and the next block (an encoder's final norm, a decoder's embeddings),
+    # which run on its stage, as the cost model prices them (inputs.summarize)
+    units: list[list[str]] = []
+    for name, kind in zip(names[first : last + 1], kinds[first : last + 1]):
+        if kind == "block":
+            units.append([name])
+        else:
+            units[-1].append(name)
     num_stages = layout.pp * layout.vpp
-    counts = assignment.blocks_per_stage if assignment else balanced_blocks(len(blocks), num_stages)
+    counts = assignment.blocks_per_stage if assignment else balanced_blocks(len(units), num_stages)
     recompute = (
         assignment.recompute_blocks
         if assignment and assignment.recompute_blocks is not None
@@ -44,10 +51,11 @@ def stage_layers(ir: ModelIR, layout: Layout, assignment: StageAssignment | None
     out = []
     pos = 0
     for i, (n, r) in enumerate(zip(counts, recompute)):
-        mine = blocks[pos : pos + n]
+        mine = [x for unit in units[pos : pos + n] for x in unit]
+        recomputed = [unit[0] for unit in units[pos : pos + r]]
         pos += n
         layers = (names[:first] if i == 0 else []) + mine + (names[last + 1 :] if i == num_stages - 1 else [])
-        out.append((layers, mine[:r]))
+        out.append((layers, recomputed))
     return out
 
 

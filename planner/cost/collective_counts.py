@@ -227,9 +227,8 @@ def rank_collectives(
             expert_params += experts / layout.ep
         # the IR's own count when given, else the parameter-holding layers + the stage's own FSDP unit
         unit_count += units[i] if units and i in units else sum(1 for p in held if p > 0) + 1
-        if (
-            pp > 1
-        ):  # the activation forward across the boundary after the stage, its gradient back across the one before
+        if pp > 1:
+            # the activation forward across the boundary after the stage, its gradient back across the one before
             after = pipeline_boundary_bytes(inputs, layout, first_block + n) if i < last else 0.0
             before = pipeline_boundary_bytes(inputs, layout, first_block) if i > 0 else 0.0
             _add(out, "send", m * ((i < last) + (i > 0)), m * (after + before))

@@ -34,8 +34,9 @@ parameter-free until the call), each its own data-parallel group over the ranks 
 
 The dry run (fake tensors: the routing has no values) executes fused banks with every expert receiving its
 balanced share of the (token, k) pairs (`balanced_counts`, the cost model's capacity factor 1): the same calls and
-bytes as a perfectly balanced step. Not run here: ep with tp > 1 (expert-tensor parallelism), and the dry run of
-experts in an nn.ModuleList (the model's own dispatch sizes its tensors from the routing), both refused.
+bytes as a perfectly balanced step. Not run here: ep with tp > 1 (tp alone keeps each rank's experts whole), and
+the dry run of experts in an nn.ModuleList (the model's own dispatch sizes its tensors from the routing), both
+refused.
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ class MoEIR:
     tokens: int = 0  # tokens per sample entering the router (rows of the router GEMM)
     how: str = ""  # the structure it was recognised by (one phrase, for the warning)
     expert_modules: tuple[str, ...] = ()  # FQNs of the experts: the fused bank, or the list of expert modules
+    expert_tensors: int = 0  # the routed experts' parameter tensors: every expert's, or the fused bank's
 
     @property
     def routed_params(self) -> int:

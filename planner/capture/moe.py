@@ -74,6 +74,7 @@ def _recognise(fqn: str, module: nn.Module, capacity_factor: float) -> MoESite |
         expert_params=per_expert,
         expert_gemms=tuple(gemms),
         expert_modules=tuple(names),
+        expert_tensors=len(params),
         router=router_name,
         router_params=router_params,
         shared_modules=tuple(n for n, _ in shared),

@@ -303,13 +303,6 @@ def for_tp(
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
 
 
-def _expert_tensors(moe: MoEIR) -> int:
-    """Parameter tensors of a layer's routed experts: each GEMM's weight and bias, once per expert in a list of
-    expert modules, once in all for a fused bank (3-D weights)."""
-    per = sum(1 + int(g.has_bias) for g in moe.expert_gemms)
-    return per if "fused" in moe.how else per * moe.num_experts
-
-
 def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
     """`c` with its routed experts kept whole on every tp rank (mlm-run: tensor parallelism leaves the expert banks
     unsharded): they compute all the tokens the tp group shares and reduce nothing over tp; under SP they run on
@@ -457,7 +450,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         expert_mem=expert_mem,
         expert_tp_count=moe_layers,
         expert_tp_bytes=out_bytes,
-        expert_tensor_count=_expert_tensors(moe) if moe is not None else 0,
+        expert_tensor_count=moe.expert_tensors if moe is not None else 0,
         dispatch_bytes=dispatch,
         moe_layer_count=moe_layers,
         expert_counts_bytes=counts_bytes,

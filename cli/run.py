@@ -426,5 +426,16 @@ def _run(args: argparse.Namespace, device: str, console: Console, stop: StopRequ
             dist.destroy_process_group()
 
 
+def entry() -> None:
+    """The `mlm-run` command: main(), then an exit that skips interpreter teardown in a launched worker
+    (runtime.launch.exit_worker says why)."""
+    code = main()
+    from mlm.runtime.launch import exit_worker, under_launcher
+
+    if under_launcher():
+        exit_worker(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -78,7 +78,7 @@ def layout_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="expert-parallel size (MoE: the routed experts split over ep of the dp·cp ranks); default 0 = search "
-        "it, with tp 1 wherever ep > 1 (what mlm-run runs); a dense model gets 1",
+        "it; a dense model gets 1",
     )
     parser.add_argument("--solver", choices=("cbc", "highs"), default="cbc", help="MILP solver (default cbc)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit per MILP, seconds")

@@ -34,9 +34,12 @@ parameter-free until the call), each its own data-parallel group over the ranks 
 
 The dry run (fake tensors: the routing has no values) executes fused banks with every expert receiving its
 balanced share of the (token, k) pairs (`balanced_counts`, the cost model's capacity factor 1): the same calls and
-bytes as a perfectly balanced step. Not run here: ep with tp > 1 (tp alone keeps each rank's experts whole), and
-the dry run of experts in an nn.ModuleList (the model's own dispatch sizes its tensors from the routing), both
-refused.
+bytes as a perfectly balanced step.
+
+With tp > 1 the ep groups are the ranks of one tp coordinate (mesh.py's expert mesh): every tp rank holds its ep
+rank's experts whole (no expert-tensor parallelism) and exchanges the tokens it holds (all of the micro-batch's
+without sequence parallelism, its token shard with it) with the ranks of its tp coordinate. Not run here: the dry
+run of experts in an nn.ModuleList (the model's own dispatch sizes its tensors from the routing), refused.
 """
 
 from __future__ import annotations
@@ -190,9 +193,21 @@ def exchange(
         counts = torch.bincount(flat, minlength=num_experts).view(size, local)
 
     def run_bank(rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] == 0:
+            # no row reached this rank's experts: a bank that loops over the experts it was given rows for returns
+            # zeros unconnected to its input, so this rank's backward would skip the dispatch's reverse exchange
+            # that its peers wait in (a deadlock) and call FSDP's reduction of the bank out of order. One zero row
+            # through local expert 0, dropped from the output, keeps the graph the same on every rank; its
+            # gradient is exactly zero.
+            padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            first = torch.zeros(1, 1, dtype=torch.long, device=rows.device)
+            return _local_call(padded, first)[:0]
         expert_of_row = torch.repeat_interleave(
             torch.arange(local, device=rows.device).repeat(size), received.reshape(-1), output_size=rows.shape[0]
         ).unsqueeze(1)
+        return _local_call(rows, expert_of_row)
+
+    def _local_call(rows: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         ones = torch.ones(expert_of_row.shape, dtype=top_k_weights.dtype, device=rows.device)
         had = getattr(module, "num_experts", None)
         if isinstance(had, int):

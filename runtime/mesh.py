@@ -88,18 +88,13 @@ class MeshInfo:
 
 
 def check_supported(layout: Layout) -> None:
-    """mlm-run executes tp, pp, dp, cp, ZeRO and ep (with tp 1)."""
+    """mlm-run executes tp, pp, dp, cp, ZeRO and ep; ep is carved out of dp·cp."""
     if layout.cp < 1:
         raise Infeasible(f"layout.cp = {layout.cp} must be >= 1")
     if layout.ep > 1:
         if (layout.dp * layout.cp) % layout.ep:
             raise Infeasible(
                 f"layout.ep = {layout.ep} must divide dp·cp = {layout.dp * layout.cp} (ep is carved out of dp·cp)"
-            )
-        if layout.tp > 1:
-            raise Infeasible(
-                f"layout.ep = {layout.ep} with tp = {layout.tp}: mlm-run runs expert parallelism with tp 1 only "
-                f"(expert-tensor parallelism is not run yet); plan with --tp 1 or --ep 1"
             )
 
 

@@ -409,6 +409,8 @@ _EP = {
     "ep2dp4-zero1": ("--gpus", "4", "--ep", "2", "--dp", "4", "--pp", "1", "--zero", "1", "--recompute", "none"),
     "ep4dp4-zero3-full": ("--gpus", "4", "--ep", "4", "--dp", "4", "--pp", "1", "--zero", "3", "--recompute", "full"),
     "ep2dp2pp2-zero0": ("--gpus", "4", "--ep", "2", "--dp", "2", "--pp", "2", "--vpp", "1", "--zero", "0"),
+    # with tp: each tp rank holds its ep rank's experts whole and exchanges the micro-batch's tokens (no SP)
+    "ep2dp2tp2-zero1": ("--gpus", "4", "--ep", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--pp", "1"),
 }
 
 
@@ -419,7 +421,9 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
     capacity factor 1) and counts the all-to-alls of the counts, rows and gradients; every op's count equals the
     plan's, bytes within 1%, peak within 10%."""
     model = str(Path(__file__).parent / "models" / "moe_configs.py")
-    pins = (*_EP[name], "--tp", "1", "--micro-batch", "2")
+    pins = (*_EP[name], "--micro-batch", "2", "--no-sequence-parallel")
+    if "--tp" not in pins:
+        pins = (*pins, "--tp", "1")
     if "--recompute" not in pins:
         pins = (*pins, "--recompute", "none")
     shape = ("--entry", "build_qwen3_moe", "--seq-len", "32", "--global-batch", "16")

@@ -6,7 +6,8 @@ transformers 5's fused expert banks; the built-in Llama preset's MoE (the mixtra
 size; and two hand-written MoEs whose experts are an nn.ModuleList called by the
 model's own loop (hand_moe.py: torch.where + index_add_, a shared expert; block_kinds.py: dense one-hot gating).
 Layouts: ep2 (dp2, zero 0 / 1 / 3), dp4 with ep2 (two groups of experts, each
-averaged over its own 2 holders) and pp2·dp2·ep2 (experts on both pipeline stages). The reference is one process on
+averaged over its own 2 holders), pp2·dp2·ep2 (experts on both pipeline stages) and tp2·dp2·ep2 (without SP, and
+with SP on a per-token MoE, moe_per_token.py). The reference is one process on
 the same global batch of 4 sequences in micro-batches of 1, so routing, dropout masks (per layer and global
 micro-batch, runtime/data.py) and token means are defined the same way. Losses and SGD parameters within 1e-5,
 AdamW parameters within 2% of each tensor's movement in norm (test_runtime_parity.py explains both), every expert
@@ -21,8 +22,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from conftest import MODELS
 from test_runtime_harness import PARITY_ATOL, assert_params_match, merged, run_workers, train_runs, write_plan
+from torch import nn
 
 from mlm.planner.capture.presets import llama as llama_preset
 from mlm.planner.plan import load_plan
@@ -37,6 +42,7 @@ MODELS_FILE = {
     "deepseek": (MODELS / "moe_configs.py", "build_deepseek_v3", []),
     "mixtral": (MODELS / "block_kinds.py", "build_hf_moe", ["kind=mixtral"]),
     "hand": (MODELS / "hand_moe.py", "build_model", []),
+    "pertoken": (MODELS / "moe_per_token.py", "build_model", []),  # keeps batch and sequence apart: SP shardable
     "onehot": (MODELS / "block_kinds.py", "build_dense_then_moe", ["dense=1", "moe=2", "shared=True"]),
     # the built-in Llama preset's MoE (mixtral-8x7b, qwen3-30b-a3b) at tiny size: fused bank, softmax top-2 routing
     "preset": (
@@ -59,6 +65,9 @@ FOUR = [
     ("qwen3", "sgd", ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "0"]),
     ("qwen3", "adamw", ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2", "--zero", "1"]),
     ("hand", "adamw", ["--gpus", "4", "--pp", "2", "--dp", "2", "--ep", "2", "--zero", "0"]),
+    # ep with tp: each tp rank holds its ep rank's experts whole and exchanges its tokens within its tp coordinate
+    ("qwen3", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "0", "--no-sequence-parallel"]),
+    ("pertoken", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel"]),
 ]
 
 
@@ -67,7 +76,9 @@ def _mlm_plan(tmp: Path, name: str, model: str, pins: list[str]) -> Path:
     cmd = [str(path), "--entry", entry]
     for a in args:
         cmd += ["--model-arg", a]
-    cmd += ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--tp", "1", "--recompute", "none"]
+    cmd += ["--seq-len", "32", "--global-batch", "4", "--micro-batch", "1", "--recompute", "none"]
+    if "--tp" not in pins:
+        cmd += ["--tp", "1"]
     if "--pp" not in pins:
         cmd += ["--pp", "1"]
     return write_plan(tmp, name, [*cmd, *pins])
@@ -164,3 +175,64 @@ def test_routed_experts_under_tensor_parallelism_train_what_one_process_trains(t
     got = run_workers(2, train_runs, [(str(p), o) for p in (sp, nosp) for o in (SGD, ADAMW)], timeout=400)
     for i, (p, opt) in enumerate((p, o) for p in ("sp", "nosp") for o in ("sgd", "adamw")):
         _compare(merged(got, i), merged(ref, i % 2), initial, opt, f"tp2 {p} {opt}")
+
+
+class _LoopBank(nn.Module):
+    """A fused expert bank written as transformers 5 writes one: 3-D weights, and a loop over only the experts that
+    were given rows, so a call with no rows returns zeros that depend on neither its input nor its weights."""
+
+    def __init__(self, experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.up = nn.Parameter(torch.randn(experts, ffn, hidden) * 0.3)
+        self.down = nn.Parameter(torch.randn(experts, hidden, ffn) * 0.3)
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        mask = F.one_hot(index, self.num_experts).permute(2, 1, 0)  # expert, k, token
+        for e in (mask.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist():
+            k, tok = torch.where(mask[e])
+            y = F.linear(F.gelu(F.linear(x[tok], self.up[e])), self.down[e])
+            out = out.index_add(0, tok, y * weights[tok, k, None])
+        return out
+
+
+def _routed_to_rank_one_only(rank: int) -> dict[str, torch.Tensor]:
+    """Every token of both ranks routed to experts 2 and 3 (ep rank 1's): ep rank 0's experts receive no row."""
+    from mlm.runtime.expert_parallel import ExpertParallel, exchange
+
+    torch.manual_seed(0)
+    full = _LoopBank(4, 8, 16)
+    x = torch.randn(2, 6, 8)[rank].requires_grad_()
+    local = _LoopBank(2, 8, 16)
+    with torch.no_grad():
+        local.up.copy_(full.up[2 * rank : 2 * rank + 2])
+        local.down.copy_(full.down[2 * rank : 2 * rank + 2])
+    index = torch.tensor([[2, 3]] * 6)
+    weights = torch.tensor([[0.7, 0.3]] * 6)
+    ep = ExpertParallel(rank, 2, dist.group.WORLD)
+    out = exchange(local, local.forward, 4, ep, x, index, weights)
+    out.square().sum().backward()
+    assert local.up.grad is not None and local.down.grad is not None
+    return {"out": out.detach(), "x": x.grad, "up": local.up.grad, "down": local.down.grad}
+
+
+def test_an_ep_rank_whose_experts_receive_no_token_runs_the_same_backward() -> None:
+    """A rank whose experts get no row (routing that collapsed onto other ranks' experts; at tp2·dp2·ep2 AdamW
+    reached it at step 5) still runs the dispatch's reverse exchange that its peers wait in: before, it skipped it
+    (the bank's zeros hang from nothing) and both ranks blocked until gloo's timeout. Outputs and every gradient
+    against the whole bank in one process."""
+    got = run_workers(2, _routed_to_rank_one_only, timeout=60)
+    torch.manual_seed(0)
+    full = _LoopBank(4, 8, 16)
+    x = torch.randn(2, 6, 8).requires_grad_()
+    index, weights = torch.tensor([[2, 3]] * 6), torch.tensor([[0.7, 0.3]] * 6)
+    out = torch.stack([full(x[r], index, weights) for r in range(2)])
+    out.square().sum().backward()
+    assert full.up.grad is not None and full.down.grad is not None and x.grad is not None
+    for r in range(2):
+        torch.testing.assert_close(got[r]["out"], out[r].detach())
+        torch.testing.assert_close(got[r]["x"], x.grad[r])
+        torch.testing.assert_close(got[r]["up"], full.up.grad[2 * r : 2 * r + 2])
+        torch.testing.assert_close(got[r]["down"], full.down.grad[2 * r : 2 * r + 2])
+    assert got[0]["up"].abs().sum() == 0  # no token reached ep rank 0's experts

@@ -86,10 +86,11 @@ def test_every_pinned_field_holds_in_the_plan(preset: str, gpus: int, batch: int
     assert planned >= 4
 
 
-def test_expert_parallelism_is_searched_only_where_mlm_run_runs_it() -> None:
-    """A mixture-of-experts model planned without --ep: ep is searched (not pinned), and every layout the search
-    ranks with ep > 1 has tp 1 (mlm-run runs expert parallelism with tp 1); at 64 GPUs some ranked layout splits
-    the experts. A pinned --ep 2 --tp 2 is still taken as asked (the cost model prices it): every layout the search
+def test_expert_parallelism_is_searched_at_every_tensor_parallel_size() -> None:
+    """A mixture-of-experts model planned without --ep: ep is searched (not pinned) and at 64 GPUs some ranked
+    layout splits the experts; with --tp 2 pinned the search still splits them (mlm-run runs ep with tp > 1,
+    each tp rank holding its ep rank's experts whole), and the free result is no slower than either pinned one
+    under the same cost model. A pinned --ep 2 --tp 2 is taken as asked: every layout the search
     ranks first is sequence-parallel (the experts, whole on each tp rank, then run on the token shard), which the
     sharding refuses for a block that flattens its tokens; the search runs again without them and says so."""
     spec = load_model_spec("mixtral-8x7b")
@@ -98,8 +99,12 @@ def test_expert_parallelism_is_searched_only_where_mlm_run_runs_it() -> None:
     assert "ep" not in outcome.plan.pinned
     ranked = outcome.result.ranked if outcome.result else []
     assert any(c.layout.ep > 1 for c in ranked)
-    assert all(c.layout.tp == 1 for c in ranked if c.layout.ep > 1)
+    tp2 = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256, tp=2), "h100-sxm", None)
+    assert tp2.plan.layout.tp == 2 and tp2.plan.layout.ep > 1 and "ep" not in tp2.plan.pinned
+    free_s = outcome.plan.predicted.step_time_s
+    assert free_s <= tp2.plan.predicted.step_time_s
     pinned = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256, ep=2, tp=2), "h100-sxm", None)
     assert (pinned.plan.layout.ep, pinned.plan.layout.tp) == (2, 2) and {"ep", "tp"} <= set(pinned.plan.pinned)
+    assert free_s <= pinned.plan.predicted.step_time_s
     assert not pinned.plan.layout.sequence_parallel
     assert any("skipped" in w and "flattens" in w for w in pinned.plan.warnings)

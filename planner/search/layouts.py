@@ -53,8 +53,8 @@ Group = tuple[int, int, int, int, int, int]  # tp, pp, dp, cp, ep, zero
 @dataclass(frozen=True)
 class PlanRequest:
     """What the user asked for: GPU count, batch, and any pinned dimensions (None = search). cp defaults to 1, not
-    to search: no measured cp run calibrates its cost. ep is searched (1 for a dense model), over the layouts mlm-run
-    runs: ep > 1 only with tp 1 (runtime/expert_parallel.py), so a default plan is one it runs."""
+    to search: no measured cp run calibrates its cost. ep is searched (1 for a dense model), with any tp: mlm-run
+    keeps each tp rank's experts whole (runtime/expert_parallel.py), as the cost model prices them."""
 
     num_gpus: int
     global_batch: int
@@ -805,13 +805,13 @@ def _cp_options(ir: ModelIR, request: PlanRequest, rest: int) -> list[int]:
     return [c for c in _divisors(rest) if c == 1 or ir.seq_len % (2 * c) == 0]
 
 
-def _ep_options(ir: ModelIR, request: PlanRequest, dp_cp: int, tp: int) -> list[int]:
-    """Expert-parallel sizes: divisors of dp·cp dividing every MoE layer's experts (1 for a dense model); searched,
-    only with tp 1, as mlm-run runs expert parallelism (a pinned --ep is taken as asked)."""
+def _ep_options(ir: ModelIR, request: PlanRequest, dp_cp: int) -> list[int]:
+    """Expert-parallel sizes: divisors of dp·cp dividing every MoE layer's experts (1 for a dense model; a pinned
+    --ep is taken as asked)."""
     moe = _moe(ir)
     if request.ep:
         return [request.ep]
-    if not moe or tp > 1:
+    if not moe:
         return [1]
     return [e for e in _divisors(dp_cp) if all(m.num_experts % e == 0 for m in moe)]
 
@@ -827,7 +827,7 @@ def _groups(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> Itera
                 dp = rest // (pp * cp)
                 if (request.dp and dp != request.dp) or request.global_batch % dp:
                     continue
-                for ep in _ep_options(ir, request, dp * cp, tp):
+                for ep in _ep_options(ir, request, dp * cp):
                     for zero in zeros:
                         if zero and dp * cp == 1:
                             continue  # nothing to shard over

@@ -89,11 +89,6 @@ def make_plan(
         notes = list(result.notes)
         if not ir.num_experts and "ep" not in _pinned(request):
             explanations["ep"] = "ep=1: the model has no routed experts for expert parallelism to split"
-        elif request.ep is None and best.layout.ep == 1 and best.layout.tp > 1:
-            notes.append(
-                f"expert parallelism searched at tp 1 only (mlm-run runs ep > 1 with tp 1): the fastest layout uses "
-                f"tp {best.layout.tp}, so its {ir.num_experts} routed experts per MoE layer are not split (ep 1)"
-            )
         if shard.skipped:
             explanations["skipped"] = skipped_summary(shard.skipped)
             notes.append(explanations["skipped"])

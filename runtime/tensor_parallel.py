@@ -26,8 +26,10 @@ with its input's width (`B, T, C = x.size()`). Which integer attributes of P tak
 must see an input of per-rank width (a view of the input that only shape queries may read; the colwise linears get
 the real one), is found by running P under fake tensors: once unsharded (recording the heads each attention call
 sees and how colwise outputs are split) and then for each candidate setting with per-rank linear outputs, until
-every attention call sees heads/tp heads of the unsharded head size and the output shape is unchanged. No
-consistent setting is a one-line error; so is a tp that does not divide the (key/value) heads.
+every attention call sees heads/tp heads of the unsharded head size and the output shape is unchanged. Parameters
+P holds itself with one entry per query head (GPT-OSS's attention sinks) are tried whole first, then split with
+the heads (each rank its heads' entries, read by P as a local tensor). No consistent setting is a one-line error;
+so is a tp that does not divide the (key/value) heads.
 
 Linears outside any region (e.g. nanoGPT written with all linears in the block) keep the previous behaviour:
 colwise outputs stay DTensors with global shapes, so unedited user code computes what it computes on one device and
@@ -249,12 +251,15 @@ class Region:
     proxy_width: int | None = None  # the module sees an input of this width (shape queries only)
     heads: tuple[int, ...] = ()  # heads of each attention call's q, k, v, unsharded
     dropouts: tuple[DropoutShard, ...] = ()  # how each F.dropout call's input is sharded, in call order
+    head_params: tuple[tuple[str, int], ...] = ()  # parameters of P with one entry per head: (name, head dim)
 
     def install(self, model: nn.Module, mesh: DeviceMesh, seq: Placement, shared: _SharedInput | None = None) -> None:
         module = model.get_submodule(self.fqn)
         _own_settings(module, self.attrs)
         for name, value in self.attrs.items():
             _set_attr(module, name, value)
+        if self.head_params:
+            _shard_head_params(module, self.head_params, mesh)
         state = _RegionInput(mesh, seq, self.proxy_width, shared or _SharedInput())
         module.register_forward_pre_hook(state.prepare, with_kwargs=True)
         module.register_forward_hook(state.clear)
@@ -262,6 +267,62 @@ class Region:
         if self.proxy_width is not None:
             for fqn in self.colwise:
                 model.get_submodule(fqn).register_forward_pre_hook(state.swap, prepend=True)
+
+
+def _shard_head_params(module: nn.Module, head_params: tuple[tuple[str, int], ...], mesh: DeviceMesh) -> None:
+    """Parameters with one entry per attention head that P reads itself (GPT-OSS's attention `sinks`): each rank
+    holds its heads' entries (a Shard(dim) DTensor, the heads the colwise linears give it), and P's forward sees
+    them as a local tensor, as its attention runs on local heads; their gradients need no tp reduction."""
+    for name, dim in head_params:
+        value = module._parameters[name]
+        assert value is not None
+        shard = distribute_tensor(value.detach(), mesh, [Shard(dim)])
+        module.register_parameter(name, nn.Parameter(shard, requires_grad=value.requires_grad))
+    names = [name for name, _ in head_params]
+    held: dict[str, Any] = {}
+
+    def local(mod: nn.Module, _args: tuple) -> None:
+        for name in names:  # the parameter as it is now (FSDP2 may have put its unsharded one in place)
+            param = mod._parameters[name]
+            held[name] = param
+            if isinstance(param, DTensor):
+                mod._parameters[name] = param.to_local()  # differentiable: the gradient reaches the DTensor
+
+    def restore(mod: nn.Module, _args: tuple, _out: Any) -> None:
+        for name in names:
+            if name in held:
+                mod._parameters[name] = held.pop(name)
+
+    module.register_forward_pre_hook(local)
+    module.register_forward_hook(restore, always_call=True)
+
+
+def _per_head_params(module: nn.Module, heads: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
+    """P's own parameters (not its linears') with a dimension of the query head count: candidates for a per-head
+    split (the first such dimension)."""
+    if not heads:
+        return ()
+    out = []
+    for name, value in module._parameters.items():
+        if value is not None and heads[0] in value.shape:
+            out.append((name, list(value.shape).index(heads[0])))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _heads_split(module: nn.Module, head_params: tuple[tuple[str, int], ...], tp: int) -> Any:
+    """For one trial run: P's per-head parameters at their per-rank size (meta tensors; shapes are what count)."""
+    kept = {name: module._parameters[name] for name, _ in head_params}
+    try:
+        for name, dim in head_params:
+            value = kept[name]
+            assert value is not None
+            shape = list(value.shape)
+            shape[dim] //= tp
+            module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=value.dtype, device="meta"))
+        yield
+    finally:
+        module._parameters.update(kept)
 
 
 def _input_keyword(kwargs: dict) -> str | None:
@@ -399,6 +460,7 @@ def find_regions(
                 found.proxy_width,
                 found.heads,
                 found.dropouts,
+                found.head_params,
             )
         )
     return regions
@@ -707,19 +769,25 @@ def settle_region(
     ]
     original = dict(_int_attrs(module))
     proxies = [None] + ([width // tp] if width % tp == 0 else [])
+    per_head = _per_head_params(module, heads)
+    # whole first (every model before GPT-OSS's sinks runs so); split only where whole parameters cannot run
+    splits_of_params = [(), per_head] if per_head else [()]
     for proxy in proxies:
-        for k in range(len(cands) + 1):
-            for subset in itertools.combinations(cands, k):
-                attrs = {a: original[a] // tp for a in subset}
-                try:
-                    for a, v in attrs.items():
-                        _set_attr(module, a, v)
-                    run = _run(module, col, row, tp, width, proxy, call)
-                finally:
-                    for a in subset:
-                        _set_attr(module, a, original[a])
-                if _consistent(run, ref, want, col, row, module, tp):
-                    return Region(fqn, col, row, splits, attrs, proxy, heads, _dropout_shards(ref, run, tp))
+        for head_params in splits_of_params:
+            for k in range(len(cands) + 1):
+                for subset in itertools.combinations(cands, k):
+                    attrs = {a: original[a] // tp for a in subset}
+                    try:
+                        for a, v in attrs.items():
+                            _set_attr(module, a, v)
+                        with _heads_split(module, head_params, tp):
+                            run = _run(module, col, row, tp, width, proxy, call)
+                    finally:
+                        for a in subset:
+                            _set_attr(module, a, original[a])
+                    if _consistent(run, ref, want, col, row, module, tp):
+                        dropouts = _dropout_shards(ref, run, tp)
+                        return Region(fqn, col, row, splits, attrs, proxy, heads, dropouts, head_params)
     raise PlanFileError(
         f"tensor parallelism: no per-rank setting of {type(module).__name__} {fqn}'s integer attributes "
         f"({', '.join(cands) or 'none'}) runs it on {heads[0] // tp if heads else '1/tp of its'} heads per rank; "

@@ -1,7 +1,8 @@
 """Expert parallelism on gloo against one process: plans written by mlm-plan with --ep pinned, trained 5 steps.
 
 Models: tiny Hugging Face Qwen3-MoE (a dense first block, then 8 experts top-2; attention dropout 0.1), Mixtral
-(4 experts top-2, every block MoE) and DeepSeek-V3 (group-limited sigmoid routing, a shared expert, MLA), all with
+(4 experts top-2, every block MoE), DeepSeek-V3 (group-limited sigmoid routing, a shared expert, MLA) and GPT-OSS
+(attention sinks, expert biases, sliding-window layers), all with
 transformers 5's fused expert banks; the built-in Llama preset's MoE (the mixtral / qwen3 presets' code) at tiny
 size; and two hand-written MoEs whose experts are an nn.ModuleList called by the
 model's own loop (hand_moe.py: torch.where + index_add_, a shared expert; block_kinds.py: dense one-hot gating).
@@ -43,6 +44,7 @@ MODELS_FILE = {
     "mixtral": (MODELS / "block_kinds.py", "build_hf_moe", ["kind=mixtral"]),
     "hand": (MODELS / "hand_moe.py", "build_model", []),
     "pertoken": (MODELS / "moe_per_token.py", "build_model", []),  # keeps batch and sequence apart: SP shardable
+    "gptoss": (MODELS / "moe_configs.py", "build_gpt_oss", ["dropout=0.1"]),  # attention sinks, expert biases
     "onehot": (MODELS / "block_kinds.py", "build_dense_then_moe", ["dense=1", "moe=2", "shared=True"]),
     # the built-in Llama preset's MoE (mixtral-8x7b, qwen3-30b-a3b) at tiny size: fused bank, softmax top-2 routing
     "preset": (
@@ -60,6 +62,7 @@ TWO = [
     ("hand", "sgd", ["--gpus", "2", "--ep", "2", "--zero", "3"]),
     ("onehot", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "0"]),
     ("preset", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "1"]),
+    ("gptoss", "adamw", ["--gpus", "2", "--ep", "2", "--zero", "1"]),
 ]
 FOUR = [
     ("qwen3", "sgd", ["--gpus", "4", "--dp", "4", "--ep", "2", "--zero", "0"]),
@@ -68,6 +71,8 @@ FOUR = [
     # ep with tp: each tp rank holds its ep rank's experts whole and exchanges its tokens within its tp coordinate
     ("qwen3", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "0", "--no-sequence-parallel"]),
     ("pertoken", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel"]),
+    # GPT-OSS's attention sinks (one per head) split with the heads over tp
+    ("gptoss", "sgd", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "0", "--no-sequence-parallel"]),
 ]
 
 

@@ -52,3 +52,26 @@ def build_deepseek_v3(layers=3, v_head_dim=8, qk_nope_head_dim=8, qk_rope_head_d
         use_cache=False,
     )
     return DeepseekV3ForCausalLM(cfg)
+
+
+def build_gpt_oss(layers=2, dropout=0.0):
+    """GPT-OSS: per-head attention sinks (a parameter of the attention module itself), experts with biases, and
+    sliding-window layers alternating with full attention (attention dropout `dropout`)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2),
+        attention_dropout=dropout,
+    )
+    return GptOssForCausalLM(cfg)

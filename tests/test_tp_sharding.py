@@ -366,3 +366,21 @@ def test_flattened_tokens_and_folded_heads_are_refused_or_explained() -> None:
     assert r.styles["model.layers.0.self_attn.q_proj"] == "replicate"
     assert r.styles["model.layers.0.fc1"] == "colwise"
     assert len(r.notes) == 1 and "folded into the batch dimension" in r.notes[0], r.notes
+
+
+def test_per_sample_conditioning_is_refused_under_sequence_parallelism() -> None:
+    """A diffusers DiT's blocks read the timestep and class label per sample (no sequence dimension) beside the
+    token stream and compute adaLN's shifts and scales from them: under SP their gradient from the sequence shards
+    is a partial sum that mlm-run's styles do not reduce (mlm-run failed in DTensor's addmm on the plan mlm-plan
+    wrote). The sharding refuses SP and says why; without SP the attention splits, and a free search at tp 2 plans
+    without SP. A plain decoder (the gpt2 preset, no per-sample input) still shards with SP."""
+    pytest.importorskip("diffusers")
+    dit = capture(load_model_spec(str(MODELS / "hf_diffusers_dit.py")), seq_len=64)
+    with pytest.raises(Infeasible, match="per-sample tensors"):
+        plan_tensor_parallel(dit, 2, sequence_parallel=True)
+    assert plan_tensor_parallel(dit, 2).styles["transformer_blocks.0.attn1.to_q"] == "colwise"
+    request = PlanRequest(num_gpus=2, tp=2, pp=1, global_batch=4)
+    layout = make_plan(load_model_spec(str(MODELS / "hf_diffusers_dit.py")), dit, request).plan.layout
+    assert layout.tp == 2 and not layout.sequence_parallel
+    gpt = capture(load_model_spec("gpt2", args={"n_layer": 2, "n_embd": 64, "n_head": 4}), seq_len=32)
+    assert plan_tensor_parallel(gpt, 2, sequence_parallel=True).styles

@@ -410,6 +410,7 @@ class _Model:
             (tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers),
             tuple(residual),
         )
+        self.reader_shapes = [tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers]
         self.residual_bytes = 2.0 * _numel(residual)
         self.heads_ok = tp == 1 or (ir.num_heads % tp == 0 and (ir.num_kv_heads or ir.num_heads) % tp == 0)
         # this block's heads as its attention ops run them (a Swin stage has its own), else the model's
@@ -437,6 +438,19 @@ class _Model:
         }
         self.gathered: dict[str, pulp.LpVariable] = {}
         self.pinned_whole: dict[str, tuple[int, ...]] = {}  # op -> the shape of its operand that spans the heads
+
+    def per_sample(self, n: str) -> bool:
+        """A block input read per sample, with a batch dimension and no sequence dimension, beside the token stream
+        (a diffusion transformer's timestep and class label, from which adaLN computes per-sample shifts and
+        scales): under sequence parallelism its gradient from the sequence shards would be a partial sum that
+        mlm-run's styles do not reduce."""
+        if n not in self.readers:
+            return False
+        shape = tuple(self.g.nodes[n]["shape"])
+        res = next((s for s in self.reader_shapes if len(s) == 3 and s[1] > 1), None)  # the token stream
+        if res is None or not 1 <= len(shape) <= 2 or shape[0] != res[0]:
+            return False
+        return len(shape) == 1 or shape[1] != res[1]  # (batch, seq) is per token (a padding mask)
 
     def flattens(self, d: dict[str, Any]) -> bool:
         """An activation with batch and sequence flattened into one dimension (OPT's decoder layer reshapes its
@@ -593,6 +607,14 @@ def _solve_layer(
     if attention and not m.heads_ok:
         notes.append(
             f"{ir.num_heads} heads / {ir.num_kv_heads} kv heads do not divide by tp={tp}: attention runs replicated"
+        )
+    per_sample = [n for n in m.nodes if m.per_sample(n)]
+    if sp and tp > 1 and per_sample:
+        raise Infeasible(
+            f"no executable tensor-parallel sharding of {layer.name} at tp={tp} with sequence parallelism: the block "
+            f"computes per-sample tensors (no sequence dimension, e.g. {per_sample[0]}: a conditioning input such as "
+            f"a timestep embedding), whose gradient from the sequence shards would be a partial sum mlm-run does not "
+            f"reduce: plan without sequence parallelism"
         )
     if tp == 1:
         choice = {n: 0 for n in m.nodes}  # strategy 0 is replicated in every list

@@ -12,6 +12,11 @@ the optimizer state created first so the step is the steady state. Measured on t
 - collectives: every c10d / functional collective the step issues, counted with its payload bytes (CommDebugMode
   counts calls but not bytes, so `CollectiveCounter` is a small dispatch mode over the same op sets).
 
+Attention kernels: fake tensors live on the CPU, where SDPA with a mask or with dropout can only run its math kernel,
+which saves the s x s probabilities (and the dropout mask) for backward; a CUDA device runs those calls with the
+memory-efficient kernel, which saves the output and the log-sum-exp. The dry run stands for the CUDA run, so it runs
+such calls through aten's memory-efficient op (`GpuAttentionKernels`), as the cost model prices them.
+
 Roles: one rank per pipeline rank (dp_rank 0, tp_rank 0). Data- and tensor-parallel ranks of one pipeline rank run
 the same program on equal shards (the dp shards of FSDP2 differ by at most one padding row, tp shards are equal when
 tp divides the dimensions, which check_plan_runnable requires), so one of them stands for all.
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mlm.planner.capture.hf_positions import unpacked_positions
@@ -361,6 +367,52 @@ def _lazy_fsdp_chunks() -> Iterator[None]:
         _fsdp_param._chunk_with_empty = original
 
 
+class GpuAttentionKernels(TorchFunctionMode):
+    """F.scaled_dot_product_attention with a mask or dropout through aten's memory-efficient kernel (module doc):
+    what CUDA selects for such a call, where the CPU can only run the math kernel. Calls that CUDA would not run
+    so stay as they are: no mask and no dropout (the CPU's flash kernel already saves what a GPU's does), DTensor
+    arguments (attention outside a tensor-parallel region), grouped-query heads with enable_gqa, which CUDA's
+    memory-efficient kernel does not take."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            out = _memory_efficient_attention(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+
+def _memory_efficient_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor | None:
+    """The memory-efficient kernel's output for one SDPA call, or None where the call is left as it is."""
+    if attn_mask is None and not dropout_p:
+        return None
+    if any(isinstance(t, DTensor) for t in (query, key, value, attn_mask)) or query.dim() != 4:
+        return None
+    if key.shape[-3] != query.shape[-3] or value.shape[-3] != query.shape[-3]:
+        return None  # grouped-query heads (enable_gqa): not this kernel's
+    bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
+        else:
+            bias = attn_mask.to(query.dtype)
+        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    out = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, bias, True, float(dropout_p), bool(is_causal), scale=scale
+    )
+    return out[0]
+
+
 @contextlib.contextmanager
 def _fake_world(rank: int, world: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -412,8 +464,10 @@ def _dry_run_role(
             tracker = StorageTracker()
             _track_state(tracker, rt)
             counter = CollectiveCounter()
+            kernels = GpuAttentionKernels() if fake else contextlib.nullcontext()
             with tracker, counter, _fsdp_gathers_are_parameters(tracker), _sharding_metadata_untracked(tracker):
-                _one_step(rt, info, bounds, counter, tracker)
+                with kernels:
+                    _one_step(rt, info, bounds, counter, tracker)
     counter.extrapolate(executed, lay.num_microbatches)
     if executed < lay.num_microbatches:
         notes.append(

@@ -21,6 +21,7 @@ less memory saved.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from functools import partial
@@ -43,11 +44,30 @@ def apply_recompute(module: nn.Module, mode: str) -> None:
         return
     inner = module.forward
     if mode == "full":
-        module.forward = partial(checkpoint, inner, use_reentrant=False)  # type: ignore[method-assign]
+        full = partial(checkpoint, inner, use_reentrant=False, context_fn=_same_function_modes)
+        module.forward = full  # type: ignore[method-assign]
     elif mode == "selective":
         module.forward = functools.wraps(inner)(partial(_selective_forward, inner))  # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown recompute mode {mode!r} (none, selective, full)")
+
+
+def _same_function_modes() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """torch's checkpoint re-runs the layer in backward without the torch-function modes that were active around
+    its forward (the dry run's attention kernels, CPU attention on DTensors): recompute under the same ones, so
+    that the recomputation saves what the forward saved (checkpoint checks that it does)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = list(_get_current_function_mode_stack())
+
+    @contextlib.contextmanager
+    def again() -> Any:
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(m)
+            yield
+
+    return contextlib.nullcontext(), again()
 
 
 def _selective_forward(inner: Any, *args: Any, **kwargs: Any) -> Any:

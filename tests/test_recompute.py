@@ -234,3 +234,40 @@ def test_selective_recomputes_the_core_in_backward() -> None:
     assert counts["selective"].get("bernoulli_", 0) - counts["none"].get("bernoulli_", 0) == n_blocks
     for op in ("mm", "addmm"):
         assert counts["selective"].get(op, 0) == counts["none"].get(op, 0), op
+
+
+def test_full_recompute_runs_under_the_forward_s_function_modes() -> None:
+    """torch's checkpoint re-runs a layer in backward without the torch-function modes around its forward; the dry
+    run's attention kernels (and CPU attention on DTensors) are such modes, so the recomputation saved other tensors
+    than the forward and checkpoint stopped ("a different number of tensors was saved"). The layer now recomputes
+    under the same modes: the mode sees the attention twice, and the gradient is the plain layer's."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[bool] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            if func is F.scaled_dot_product_attention:
+                seen.append(torch.is_grad_enabled())
+            return func(*args, **(kwargs or {}))
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q = self.proj(x).view(1, 2, 4, 4)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(4, 4)).reshape(1, 4, 8)
+
+    torch.manual_seed(0)
+    plain, layer = Attention(), Attention()
+    layer.load_state_dict(plain.state_dict())
+    apply_recompute(layer, "full")
+    x = torch.randn(1, 4, 8)
+    with Watch():
+        layer(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert seen == [True, True]
+    torch.testing.assert_close(layer.proj.weight.grad, plain.proj.weight.grad)

@@ -245,7 +245,9 @@ def classify(node: torch.fx.Node, is_param: set[torch.fx.Node]) -> OpCost:
         batch_heads = math.prod(q.shape[:-2])
         flops = 2.0 * batch_heads * lq * s * (q.shape[-1] + v.shape[-1])
         lse = batch_heads * lq * 4.0  # float32 log-sum-exp per query row, kept by flash/efficient kernels
-        return OpCost("attention", flops, in_bytes + out_bytes, tuple(acts[:3]) + (node,), lse)
+        # a mask or bias (the 4th tensor) is kept too: the memory-efficient kernel's backward reads it (T5's
+        # learned position bias, s x s per head): trace._layer_ir counts it in the layer that makes it
+        return OpCost("attention", flops, in_bytes + out_bytes, tuple(acts[:3]) + (node,) + tuple(acts[3:4]), lse)
     if name in MATMUL_OPS:
         params = [a for a in args if param_view(a, is_param) is not None]
         k = _contracted_dim(name, node, args)

@@ -985,6 +985,7 @@ def _layer_ir(
     flops = {"mm": 0.0, "attn": 0.0, "elt": 0.0, "full": 0.0}
     moved = 0.0
     saved: dict[torch.fx.Node, None] = {}
+    kept_masks: set[torch.fx.Node] = set()  # attention masks / biases made in this layer, kept for backward
     extra = {"S": 0.0, "R": 0.0, "core": 0.0}
     linears: list[LinearOp] = []
     member = set(nodes)
@@ -1004,7 +1005,11 @@ def _layer_ir(
             if c.kind == "embedding":
                 linears.append(_embedding_op(n, params, name, is_param))
         moved += c.bytes_moved
-        for s in c.saved:
+        for i, s in enumerate(c.saved):
+            if c.kind == "attention" and i >= 4:  # the attention's mask / bias (ops.classify)
+                if _base(s) not in member:
+                    continue  # made outside this layer (a model's causal mask, shared by every layer): counted there
+                kept_masks.add(_base(s))
             saved[_base(s)] = None
         extra[tags[n]] += c.extra_saved_bytes
         if tags[n] == "S" and _is_score_matrix(val(n), seq):
@@ -1014,14 +1019,19 @@ def _layer_ir(
     # the activations again under a tensor-parallel layout other than Megatron's (cost/inputs.py)
     per_node: dict[str, float] = {n.name: costs[n].extra_saved_bytes for n in nodes if costs[n].extra_saved_bytes}
     for s in saved:
-        if s in is_param or s.op == "get_attr":
+        if s.op == "get_attr":
+            continue
+        # a seq x seq tensor made in this layer from parameters and constants alone (T5's learned position bias,
+        # its bucket indices, a mask) is not a parameter: every forward makes it again and backward keeps it
+        made = s in member and s.op == "call_function" and _spans_seq_squared(val(s), seq)
+        if s in is_param and not made:
             continue
         b = nbytes(val(s))
         acts[tags.get(s, "R")] += b
         if s in member:
             per_node[s.name] = per_node.get(s.name, 0.0) + b
-        if tags.get(s) == "S" and _is_score_matrix(val(s), seq):
-            acts["core"] += b
+        if tags.get(s) == "S" and _is_score_matrix(val(s), seq) and s not in kept_masks and s not in is_param:
+            acts["core"] += b  # a mask or bias is the core's input: selective recompute keeps it
     inputs = {
         _base(a)
         for n in nodes
@@ -1055,6 +1065,10 @@ def _layer_ir(
 
 def _is_score_matrix(t: torch.Tensor | None, seq: int) -> bool:
     return t is not None and t.dim() >= 4 and t.shape[-1] == seq and t.shape[-2] == seq
+
+
+def _spans_seq_squared(t: torch.Tensor | None, seq: int) -> bool:
+    return t is not None and t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq and seq > 1
 
 
 def _layer_kind(

@@ -108,3 +108,21 @@ def test_expert_parallelism_is_searched_at_every_tensor_parallel_size() -> None:
     assert free_s <= pinned.plan.predicted.step_time_s
     assert not pinned.plan.layout.sequence_parallel
     assert any("skipped" in w and "flattens" in w for w in pinned.plan.warnings)
+
+
+def test_a_search_says_which_tensor_parallel_sizes_the_heads_rule_out() -> None:
+    """Falcon with multi-query attention (4 query heads, 1 key/value head) on 2 GPUs: tp 2 would need the key/value
+    head replicated, which mlm does not do, so the free search plans tp 1; before, it said nothing of why. The plan
+    now carries one warning naming tp 2 and the head counts; a model whose heads divide every tp gets none."""
+    from conftest import MODELS
+
+    spec = load_model_spec(str(MODELS / "hf_zoo.py"), "build_falcon", {"multi_query": True})
+    ir = capture(spec, seq_len=32)
+    assert ir.num_kv_heads == 1
+    plan = make_plan(spec, ir, PlanRequest(num_gpus=2, global_batch=8)).plan
+    assert plan.layout.tp == 1
+    said = [w for w in plan.warnings if "not searched" in w]
+    assert len(said) == 1 and said[0].startswith("tp 2 not searched") and "1 key/value head " in said[0], said
+    gpt = load_model_spec("gpt2", args={"n_layer": 2, "n_embd": 64, "n_head": 4})
+    plan = make_plan(gpt, capture(gpt, seq_len=32), PlanRequest(num_gpus=2, global_batch=8)).plan
+    assert not [w for w in plan.warnings if "not searched" in w]

@@ -786,6 +786,25 @@ def _tp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> l
     ]
 
 
+def tp_ruled_out_by_heads(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> str | None:
+    """Why the free search left out tensor-parallel sizes that fit a node and divide the GPUs (None when none):
+    tp must divide the query heads, the key/value heads and the hidden size, so a model with one key/value head
+    (multi-query attention) is searched at tp 1 only."""
+    if request.tp:
+        return None
+    fits = [t for t in _divisors(cluster.gpus_per_node) if t > 1 and request.num_gpus % t == 0]
+    searched = set(_tp_options(ir, request, cluster))
+    left = [t for t in fits if t not in searched]
+    if not left:
+        return None
+    kv = ir.num_kv_heads or ir.num_heads
+    return (
+        f"tp {', '.join(map(str, left))} not searched: tp must divide the {ir.num_heads} attention heads, the {kv} "
+        f"key/value head{'s' if kv != 1 else ''} and the hidden size {ir.hidden_size} (each rank computes whole "
+        f"heads; key/value heads are not replicated over tp)"
+    )
+
+
 def _dp_options(ir: ModelIR, request: PlanRequest, cluster: ClusterProfile) -> list[int]:
     if request.dp:
         return [request.dp]

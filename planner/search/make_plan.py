@@ -26,6 +26,7 @@ from mlm.planner.search.layouts import (
     layout_problem,
     priced_inputs,
     search,
+    tp_ruled_out_by_heads,
 )
 from mlm.planner.search.plan_document import build_plan
 from mlm.planner.search.sharder import Sharder
@@ -87,6 +88,8 @@ def make_plan(
         )
         explanations = explain_dimensions(result, _what_if(ir, request, gpu, cluster, shard), _pinned(request))
         notes = list(result.notes)
+        if (ruled_out := tp_ruled_out_by_heads(ir, request, cluster)) is not None:
+            notes.append(ruled_out)
         if not ir.num_experts and "ep" not in _pinned(request):
             explanations["ep"] = "ep=1: the model has no routed experts for expert parallelism to split"
         if shard.skipped:

@@ -401,15 +401,19 @@ def _memory_efficient_attention(
     if key.shape[-3] != query.shape[-3] or value.shape[-3] != query.shape[-3]:
         return None  # grouped-query heads (enable_gqa): not this kernel's
     bias = None
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            bias = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
-        else:
-            bias = attn_mask.to(query.dtype)
-        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(
-        query, key, value, bias, True, float(dropout_p), bool(is_causal), scale=scale
-    )
+    try:
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device)
+                bias = bias.masked_fill(~attn_mask, float("-inf"))
+            else:
+                bias = attn_mask.to(query.dtype)
+            bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, float(dropout_p), bool(is_causal), scale=scale
+        )
+    except (RuntimeError, ValueError, NotImplementedError):  # a call the kernel does not take (its shape checks): SDPA's own choice
+        return None
     return out[0]
 
 

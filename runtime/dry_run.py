@@ -412,7 +412,7 @@ def _memory_efficient_attention(
         out = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, True, float(dropout_p), bool(is_causal), scale=scale
         )
-    except (RuntimeError, ValueError, NotImplementedError):  # a call the kernel does not take (its shape checks): SDPA's own choice
+    except (RuntimeError, ValueError, NotImplementedError):  # the kernel's checks refuse it: SDPA's own choice
         return None
     return out[0]
 

@@ -36,7 +36,7 @@ def under_launcher() -> bool:
 def exit_worker(code: int) -> None:
     """End a launched worker with `code` without running the interpreter's finalisation. Gloo's worker threads can
     still hold work objects (and tensors) when Python tears itself down after destroy_process_group, and then abort
-    the process ("terminate called without an active exception", SIGABRT, about one run in 30 of an ep2 plan on
+    the process ("terminate called without an active exception", SIGABRT: 2 runs in 43 of an ep2 plan on
     this CPU), which torchrun reports as a failed rank after a finished run. Every file mlm-run writes is closed by
     then; stdout and stderr are flushed here. torch has no fix (pytorch/pytorch PR 179291 was abandoned)."""
     for stream in (sys.stdout, sys.stderr):

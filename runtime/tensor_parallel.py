@@ -772,22 +772,20 @@ def settle_region(
     per_head = _per_head_params(module, heads)
     # whole first (every model before GPT-OSS's sinks runs so); split only where whole parameters cannot run
     splits_of_params = [(), per_head] if per_head else [()]
-    for proxy in proxies:
-        for head_params in splits_of_params:
-            for k in range(len(cands) + 1):
-                for subset in itertools.combinations(cands, k):
-                    attrs = {a: original[a] // tp for a in subset}
-                    try:
-                        for a, v in attrs.items():
-                            _set_attr(module, a, v)
-                        with _heads_split(module, head_params, tp):
-                            run = _run(module, col, row, tp, width, proxy, call)
-                    finally:
-                        for a in subset:
-                            _set_attr(module, a, original[a])
-                    if _consistent(run, ref, want, col, row, module, tp):
-                        dropouts = _dropout_shards(ref, run, tp)
-                        return Region(fqn, col, row, splits, attrs, proxy, heads, dropouts, head_params)
+    subsets = [subset for k in range(len(cands) + 1) for subset in itertools.combinations(cands, k)]
+    for proxy, head_params, subset in itertools.product(proxies, splits_of_params, subsets):
+        attrs = {a: original[a] // tp for a in subset}
+        try:
+            for a, v in attrs.items():
+                _set_attr(module, a, v)
+            with _heads_split(module, head_params, tp):
+                run = _run(module, col, row, tp, width, proxy, call)
+        finally:
+            for a in subset:
+                _set_attr(module, a, original[a])
+        if _consistent(run, ref, want, col, row, module, tp):
+            dropouts = _dropout_shards(ref, run, tp)
+            return Region(fqn, col, row, splits, attrs, proxy, heads, dropouts, head_params)
     raise PlanFileError(
         f"tensor parallelism: no per-rank setting of {type(module).__name__} {fqn}'s integer attributes "
         f"({', '.join(cands) or 'none'}) runs it on {heads[0] // tp if heads else '1/tp of its'} heads per rank; "

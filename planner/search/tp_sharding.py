@@ -410,7 +410,9 @@ class _Model:
             (tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers),
             tuple(residual),
         )
-        self.reader_shapes = [tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers]
+        # the token stream (batch, seq, hidden) among what the block reads, for per_sample
+        reads = (tuple(self.g.nodes[n]["shape"]) for n in self.g.nodes if n in self.readers)
+        self.token_stream = next((s for s in reads if len(s) == 3 and s[1] > 1), None)
         self.residual_bytes = 2.0 * _numel(residual)
         self.heads_ok = tp == 1 or (ir.num_heads % tp == 0 and (ir.num_kv_heads or ir.num_heads) % tp == 0)
         # this block's heads as its attention ops run them (a Swin stage has its own), else the model's
@@ -446,8 +448,7 @@ class _Model:
         mlm-run's styles do not reduce."""
         if n not in self.readers:
             return False
-        shape = tuple(self.g.nodes[n]["shape"])
-        res = next((s for s in self.reader_shapes if len(s) == 3 and s[1] > 1), None)  # the token stream
+        shape, res = tuple(self.g.nodes[n]["shape"]), self.token_stream
         if res is None or not 1 <= len(shape) <= 2 or shape[0] != res[0]:
             return False
         return len(shape) == 1 or shape[1] != res[1]  # (batch, seq) is per token (a padding mask)

@@ -142,12 +142,11 @@ def write_profile(res: FitResult, sources: list[str], name: str | None = None) -
     name = name or res.gpu
     path = GPU_DIR / f"{name}.toml"
     text = path.read_text()
-    cal = load_gpu(name).calibration
-    assert cal is not None
-    gemm = [min(1.0, f * res.factor) for f in cal.prior_gemm_fractions]
-    attn = [min(1.0, f * res.factor) for f in cal.prior_attention_fractions]
-    text = _set_in_table(text, "gemm_curve", "fractions", _fmt(gemm))
-    text = _set_in_table(text, "attention_curve", "fractions", _fmt(attn))
+    scaled = load_gpu(name).with_compute_factor(res.factor)
+    text = _set_in_table(text, "gemm_curve", "fractions", _fmt(scaled.gemm_curve.fractions))
+    text = _set_in_table(text, "attention_curve", "fractions", _fmt(scaled.attention_curve.fractions))
+    if scaled.fused_attention_curve is not None:
+        text = _set_in_table(text, "fused_attention_curve", "fractions", _fmt(scaled.fused_attention_curve.fractions))
     held = res.held_out()
     train = sum(1 for p in res.predictions if p.measurement.split == "train")
     values = {

@@ -1,10 +1,10 @@
 """Does one source want a different attention-kernel efficiency than GEMM efficiency? A diagnostic for the
 calibration (docs/calibration.md), not a fit that any profile uses.
 
-For the rows of one measurement file, scale the GPU profile's prior GEMM curve by g and its prior attention curve by
-a separately, over a grid, and print the pairs that fit the file's train rows best with the held-out error at each.
-The profile fit (benchmarks/fit_profiles.py) uses one factor for both; a stack whose attention kernel differs from
-the prior's FlashAttention-2 (cuDNN fused attention in NeMo's TransformerEngine) wants them apart.
+For the rows of one measurement file, scale the GPU profile's prior GEMM curve by g and its prior attention curves
+(SDPA's, and the fused kernel's that rows with attention "te" run) by a separately, over a grid, and print the pairs
+that fit the file's train rows best with the held-out error at each. The profile fit (benchmarks/fit_profiles.py)
+uses one factor for all of them; a stack whose kernels differ from the priors wants them apart.
 
     python benchmarks/kernel_factor_grid.py dgxc_benchmarking_h100.csv [--gemm 0.8,0.85,...] [--attention 0.72,1,...]
 """
@@ -19,15 +19,8 @@ from mlm.planner.cost.hardware import GPUProfile, load_gpu
 
 
 def profile(gpu: GPUProfile, gemm: float, attention: float) -> GPUProfile:
-    cal = gpu.calibration
-    assert cal is not None
-    return replace(
-        gpu,
-        gemm_curve=replace(gpu.gemm_curve, fractions=tuple(min(1.0, f * gemm) for f in cal.prior_gemm_fractions)),
-        attention_curve=replace(
-            gpu.attention_curve, fractions=tuple(min(1.0, f * attention) for f in cal.prior_attention_fractions)
-        ),
-    )
+    """The prior GEMM curve x gemm, both prior attention curves (SDPA's and the fused kernel's) x attention."""
+    return replace(gpu.with_compute_factor(attention), gemm_curve=gpu.with_compute_factor(gemm).gemm_curve)
 
 
 def main() -> None:

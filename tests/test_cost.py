@@ -196,6 +196,26 @@ def test_a_loss_on_bf16_logits_halves_what_the_loss_keeps(small, hw):
     assert fp32.stages[0].memory == bf16.stages[0].memory and fp32.step_time_s == bf16.step_time_s
 
 
+def test_fused_attention_runs_the_profile_s_fused_kernel():
+    """CostOptions.fused_attention (TransformerEngine's DotProductAttention) prices the attention at the profile's
+    fused-attention curve where it has one (H100: cuDNN, from the FlashAttention-3 paper's figures), which makes
+    only the compute faster; on a profile without one (A100, where TE picks flash-attn) nothing changes."""
+    inputs = summarize(capture(load_model_spec("gpt2"), seq_len=1024))
+    layout = Layout(tp=1, pp=1, dp=8, micro_batch=4, num_microbatches=2, recompute="none")
+    for name, cluster in (("h100-sxm", "dgx-h100"), ("a100-80gb", "dgx-a100")):
+        gpu, net = resolve(name, cluster)
+        sdpa = evaluate(inputs, layout, gpu, net)
+        fused = evaluate(inputs, layout, gpu, net, options=CostOptions(fused_attention=True))
+        assert fused.stages[0].memory == sdpa.stages[0].memory
+        others = {k: v for k, v in sdpa.breakdown.items() if k != "compute_s"}
+        assert others == {k: v for k, v in fused.breakdown.items() if k != "compute_s"}
+        if gpu.fused_attention_curve is None:
+            assert fused.step_time_s == sdpa.step_time_s
+        else:
+            assert gpu.attention_efficiency(1024, fused=True) > gpu.attention_efficiency(1024)
+            assert fused.breakdown["compute_s"] < sdpa.breakdown["compute_s"] and fused.step_time_s < sdpa.step_time_s
+
+
 # ---- recompute and breakdown -------------------------------------------------------------------------------------
 
 

@@ -4,10 +4,13 @@ cost model or profile change without a refit (python benchmarks/fit_profiles.py 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mlm.planner.cost.calibration import FACTOR_STEP, fit_gpu, measurement_files, read_measurements, sources_sha256
 from mlm.planner.cost.hardware import list_gpus, load_gpu
+from mlm.planner.cost.kernels import forward_backward_fractions, read_kernel_table
 
 FITTED = [g for g in list_gpus() if (c := load_gpu(g).calibration) is not None and c.status == "fitted"]
 
@@ -47,9 +50,27 @@ def test_curves_are_the_prior_times_the_factor(name):
     gpu = load_gpu(name)
     cal = gpu.calibration
     assert cal is not None
+    fused = gpu.fused_attention_curve
     for got, prior in ((gpu.gemm_curve.fractions, cal.prior_gemm_fractions),
-                       (gpu.attention_curve.fractions, cal.prior_attention_fractions)):  # fmt: skip
+                       (gpu.attention_curve.fractions, cal.prior_attention_fractions),
+                       (fused.fractions if fused else (), cal.prior_fused_attention_fractions)):  # fmt: skip
         assert got == pytest.approx([min(1.0, p * cal.compute_factor) for p in prior], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", [g for g in list_gpus() if load_gpu(g).calibration.prior_attention_source])
+def test_prior_attention_curves_are_derived_from_the_published_kernel_benchmark(name):
+    """A profile citing a kernel benchmark holds, as its prior attention curves, forward + backward of that file's
+    FlashAttention-2 (SDPA) and cuDNN rows at the curve's sequence lengths (planner/cost/kernels.py)."""
+    gpu = load_gpu(name)
+    cal = gpu.calibration
+    table = read_kernel_table(Path(cal.prior_attention_source).name)
+    pairs = [("flash2", gpu.attention_curve, cal.prior_attention_fractions),
+             ("cudnn", gpu.fused_attention_curve, cal.prior_fused_attention_fractions)]  # fmt: skip
+    for kernel, curve, prior in pairs:
+        assert curve is not None and tuple(s for s, _, _ in table[kernel]) == curve.seq_lens
+        assert prior == pytest.approx(forward_backward_fractions(table[kernel], gpu.bf16_tflops), abs=6e-5)
+    # the published fused kernel is faster at every length, so a stack running it is never priced slower
+    assert all(f > a for f, a in zip(cal.prior_fused_attention_fractions, cal.prior_attention_fractions))
 
 
 @pytest.mark.parametrize("name", FITTED)

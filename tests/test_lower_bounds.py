@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -195,7 +196,7 @@ def cases(draw):
         zero=draw(st.sampled_from([0, 1, 3])),
     )
     gpu = draw(st.sampled_from(sorted(HARDWARE)))
-    options = draw(st.sampled_from([MEGATRON_2021, MLM_RUN]))
+    options = draw(st.sampled_from([MEGATRON_2021, MLM_RUN, replace(MLM_RUN, fused_attention=True)]))
     return inputs, layout, gpu, options
 
 

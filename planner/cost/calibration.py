@@ -205,6 +205,9 @@ RUNTIMES = {
     "composer-fsdp-default": CostOptions(zero3_reduce_every_microbatch=True, grad_reduce_bytes=4.0),
 }
 RECOMPUTE_SEARCH = ("none", "selective", "full")
+# manual: scores materialised by batched GEMMs (before flash attention); sdpa: F.scaled_dot_product_attention's
+# FlashAttention-2, or a run's flash-attn; te: TransformerEngine's DotProductAttention (CostOptions.fused_attention)
+ATTENTION_KINDS = ("manual", "sdpa", "te")
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,12 @@ class Measurement:
     @property
     def dp(self) -> int:
         return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def options(self) -> CostOptions:
+        """The runtime's cost options; attention "te" (TransformerEngine's DotProductAttention) runs the GPU
+        profile's fused attention kernel where it has one (captured as SDPA: the same FLOPs and saved tensors)."""
+        return replace(RUNTIMES[self.runtime], fused_attention=self.attention == "te")
 
     def shape_key(self) -> tuple:
         return (self.arch, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.seq,
@@ -307,6 +316,8 @@ def read_measurements(path: Path) -> list[Measurement]:
                 "attention": "manual", "micro_batch": "", "vpp": "", "recompute": "full", "sp": "0", "zero": "0",
                 "runtime": "megatron-2021", "metric": "eq3_tflops", "value": r["tflops_per_gpu"],
             }  # fmt: skip
+        if r["attention"] not in ATTENTION_KINDS:
+            raise ValueError(f"{path.name}: row {r['name']}: attention must be one of {', '.join(ATTENTION_KINDS)}")
         out.append(
             Measurement(
                 file=path.name,
@@ -425,16 +436,8 @@ class RowPrediction:
 
 
 def scaled_profile(gpu: GPUProfile, factor: float) -> GPUProfile:
-    """The GPU profile with its prior GEMM and attention curves (from its [calibration] table) times `factor`."""
-    cal = gpu.calibration
-    assert cal is not None, f"{gpu.name}: no [calibration] table with the prior curves"
-    return replace(
-        gpu,
-        gemm_curve=replace(gpu.gemm_curve, fractions=tuple(min(1.0, f * factor) for f in cal.prior_gemm_fractions)),
-        attention_curve=replace(
-            gpu.attention_curve, fractions=tuple(min(1.0, f * factor) for f in cal.prior_attention_fractions)
-        ),
-    )
+    """The GPU profile with its prior efficiency curves (from its [calibration] table) times `factor`."""
+    return gpu.with_compute_factor(factor)
 
 
 Candidate = tuple[Layout, int | None]  # a layout and, under recompute "full", the blocks recomputed per stage
@@ -485,7 +488,7 @@ class RowEvaluator:
             inputs, cluster = shapes[m.shape_key()], load_cluster(m.cluster)
             layouts = measurement_layouts(m, inputs.num_blocks)
             assert layouts, f"{m.file}: no layout for row {m.name}"
-            options = RUNTIMES[m.runtime]
+            options = m.options
             searched = m.recompute == RECOMPUTE_SEARCH  # "any": not published, so partial recompute is allowed
             fitting = [c for lo in layouts if (c := fewest_recomputed(inputs, lo, gpu, cluster, options, searched))]
             self._cands.append((inputs, cluster, fitting or [(lo, None) for lo in layouts], bool(fitting)))
@@ -499,7 +502,7 @@ class RowEvaluator:
     def predict(self, gpu: GPUProfile) -> list[RowPrediction]:
         out = []
         for m, (inputs, cluster, cands, fits) in zip(self.rows, self._cands):
-            opts = RUNTIMES[m.runtime]
+            opts = m.options
             best = min(
                 ((evaluate(inputs, lo, gpu, cluster, _assignment(inputs, lo, k), opts).step_time_s, lo, k)
                  for lo, k in cands),

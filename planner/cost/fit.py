@@ -228,20 +228,24 @@ def _scaled(gpu: GPUProfile, factor: float) -> tuple[GPUProfile, bool]:
     """`gpu` with its curves (prior curves times the compute factor, when calibrated) and memory_bound_efficiency
     times `factor`, each held at 1; and whether any was held."""
     cal = gpu.calibration
-    gemm = cal.prior_gemm_fractions if cal else gpu.gemm_curve.fractions
-    attn = cal.prior_attention_fractions if cal else gpu.attention_curve.fractions
+    fused = gpu.fused_attention_curve
+    curves = [
+        (gpu.gemm_curve, cal.prior_gemm_fractions if cal else gpu.gemm_curve.fractions),
+        (gpu.attention_curve, cal.prior_attention_fractions if cal else gpu.attention_curve.fractions),
+    ]
+    if fused is not None:
+        curves.append((fused, cal.prior_fused_attention_fractions if cal else fused.fractions))
     base = cal.compute_factor if cal else 1.0
-    raw = [x * base * factor for x in (*gemm, *attn)] + [gpu.memory_bound_efficiency * factor]
-    clamp = [min(1.0, x) for x in raw]
+    raw = [[x * base * factor for x in prior] for _, prior in curves] + [[gpu.memory_bound_efficiency * factor]]
+    new = [replace(c, fractions=tuple(round(min(1.0, x), 6) for x in r)) for (c, _), r in zip(curves, raw)]
     scaled = replace(
         gpu,
-        gemm_curve=replace(gpu.gemm_curve, fractions=tuple(round(x, 6) for x in clamp[: len(gemm)])),
-        attention_curve=replace(
-            gpu.attention_curve, fractions=tuple(round(x, 6) for x in clamp[len(gemm) : len(gemm) + len(attn)])
-        ),
-        memory_bound_efficiency=round(clamp[-1], 6),
+        gemm_curve=new[0],
+        attention_curve=new[1],
+        fused_attention_curve=new[2] if fused is not None else None,
+        memory_bound_efficiency=round(min(1.0, raw[-1][0]), 6),
     )
-    return scaled, any(x > 1.0 for x in raw)
+    return scaled, any(x > 1.0 for r in raw for x in r)
 
 
 def calibrated_profile(
@@ -263,6 +267,10 @@ def calibrated_profile(
         compute_factor=round(result.compute_factor, 6),
         prior_gemm_fractions=cal.prior_gemm_fractions if cal else gpu.gemm_curve.fractions,
         prior_attention_fractions=cal.prior_attention_fractions if cal else gpu.attention_curve.fractions,
+        prior_fused_attention_fractions=cal.prior_fused_attention_fractions
+        if cal
+        else (gpu.fused_attention_curve.fractions if gpu.fused_attention_curve is not None else ()),
+        prior_attention_source=cal.prior_attention_source if cal else "",
         sources=tuple(sources),
         train_rows=result.rows,
     )

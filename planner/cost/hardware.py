@@ -84,6 +84,10 @@ class Calibration:
     compute_factor: float
     prior_gemm_fractions: tuple[float, ...]
     prior_attention_fractions: tuple[float, ...]
+    # the fused attention kernel's prior (GPUProfile.fused_attention_curve), empty where the profile has none
+    prior_fused_attention_fractions: tuple[float, ...] = ()
+    # the published kernel benchmark (profiles/kernels/) the prior attention curves are derived from, if any
+    prior_attention_source: str = ""
     sources: tuple[str, ...] = ()
     transferred_from: str = ""  # status "transferred": the profile whose factor (and held-out errors) this copies
     data_sha256: str = ""  # of the source files the fit read (calibration.sources_sha256): stale when they change
@@ -174,6 +178,10 @@ class GPUProfile:
     gemm_curve: GemmCurve
     attention_curve: AttentionCurve
     calibration: Calibration | None = None  # how the curves were fitted and their out-of-sample error
+    # causal attention fwd+bwd in a fused kernel faster than the SDPA FlashAttention-2 that attention_curve
+    # describes: cuDNN's fused attention, which TransformerEngine's DotProductAttention picks over flash-attn on
+    # Hopper and later (CostOptions.fused_attention). Absent: such stacks run the attention_curve kernel here.
+    fused_attention_curve: AttentionCurve | None = None
     # the dtype mlm-run computes in on this device, which the plan prices (bytes of activations, of the compute copy
     # of the weights, of tp/pp traffic): "bf16" (mixed precision, as on every GPU), or "fp32" (a CPU profile
     # written by mlm-profile: mlm-run computes in fp32 there, and *_tflops hold the measured fp32 rate)
@@ -188,10 +196,29 @@ class GPUProfile:
         """Fraction of dense peak a GEMM of `size` (see gemm_size) reaches; clamped at the curve's ends."""
         return _interp_log(self.gemm_curve.sizes, self.gemm_curve.fractions, max(float(size), 1e-9))
 
-    def attention_efficiency(self, seq_len: float) -> float:
-        """Fraction of dense bf16 peak causal attention (fwd+bwd) reaches at `seq_len`; clamped at the ends."""
-        c = self.attention_curve
+    def attention_efficiency(self, seq_len: float, fused: bool = False) -> float:
+        """Fraction of dense bf16 peak causal attention (fwd+bwd) reaches at `seq_len`, clamped at the ends (fused:
+        in the fused kernel of fused_attention_curve, where the profile has one)."""
+        c = self.fused_attention_curve if fused and self.fused_attention_curve is not None else self.attention_curve
         return _interp_log(c.seq_lens, c.fractions, max(float(seq_len), 1e-9))
+
+    def with_compute_factor(self, factor: float) -> GPUProfile:
+        """This profile with every efficiency curve = its prior curve ([calibration]) x `factor`, held at 1."""
+        cal = self.calibration
+        assert cal is not None, f"{self.name}: no [calibration] table with the prior curves"
+
+        def scaled(prior: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(min(1.0, f * factor) for f in prior)
+
+        fused = self.fused_attention_curve
+        return dataclasses.replace(
+            self,
+            gemm_curve=dataclasses.replace(self.gemm_curve, fractions=scaled(cal.prior_gemm_fractions)),
+            attention_curve=dataclasses.replace(self.attention_curve, fractions=scaled(cal.prior_attention_fractions)),
+            fused_attention_curve=None
+            if fused is None
+            else dataclasses.replace(fused, fractions=scaled(cal.prior_fused_attention_fractions)),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The TOML document as plain JSON-ready values (for plan.json's cluster.profile)."""
@@ -297,6 +324,8 @@ def _build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
         hint = hints[key]
         if key == "calibration":
             values[key] = None if data[key] is None else _build_calibration(data[key], source)
+        elif key == "fused_attention_curve":
+            values[key] = None if data[key] is None else _build(AttentionCurve, data[key], source, f"{prefix}{key}.")
         elif dataclasses.is_dataclass(hint):
             values[key] = _build(hint, data[key], source, f"{prefix}{key}.")
         else:
@@ -311,6 +340,15 @@ def _build(cls: type, data: Any, source: str, prefix: str = "") -> Any:
             raise PlanError(f"{source}: '{prefix}{names[0]}' and '{prefix}fractions' differ in length")
         if any(b <= a for a, b in zip(xs, xs[1:])):
             raise PlanError(f"{source}: '{prefix}{names[0]}' must be strictly increasing, got {list(xs)}")
+    if cls is GPUProfile and values.get("calibration") is not None:
+        cal, fused = values["calibration"], values.get("fused_attention_curve")
+        for key, prior, curve in (
+            ("prior_gemm_fractions", cal.prior_gemm_fractions, values["gemm_curve"]),
+            ("prior_attention_fractions", cal.prior_attention_fractions, values["attention_curve"]),
+            ("prior_fused_attention_fractions", cal.prior_fused_attention_fractions, fused),
+        ):
+            if len(prior) != (0 if curve is None else len(curve.fractions)):
+                raise PlanError(f"{source}: 'calibration.{key}' must have one entry per point of its curve")
     return cls(**values)
 
 

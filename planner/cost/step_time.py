@@ -186,6 +186,9 @@ class CostOptions:
         the tp size); False: each tp rank keeps its experts whole and runs them on the tokens the tp group shares
         (on its token shard under SP), with no tp collective (mlm-run: tensor parallelism leaves the expert banks
         unsharded, runtime/expert_parallel.py; measured by mlm-run --dry-run).
+    fused_attention: the attention runs TransformerEngine's DotProductAttention, which picks cuDNN's fused
+        attention over flash-attn on Hopper and later (GPUProfile.fused_attention_curve where the profile has one,
+        else its attention_curve); False: F.scaled_dot_product_attention's FlashAttention-2, as mlm-run.
     """
 
     dp_overlap: float = 1.0
@@ -197,6 +200,7 @@ class CostOptions:
     pipeline_buffers_every_microbatch: bool = True
     cp_overlap: float = 0.0
     grad_buffer_bytes: float = GRAD_BYTES
+    fused_attention: bool = False
     fused_loss_backward: bool = False
     loss_bytes: float = 4.0
     zero1_gathers_every_microbatch: bool = True
@@ -382,7 +386,7 @@ def _layer_times(
             attn_b = 2.0 * attn_f
         else:  # fused kernels, forward + backward = 3.5 forwards, causal calls half of their counted FLOPs
             executed = 0.5 * (flops + layer.attn_full_flops * mb / tp)
-            both = 3.5 * executed / (peak * gpu.attention_efficiency(seq))
+            both = 3.5 * executed / (peak * gpu.attention_efficiency(seq, options.fused_attention))
             attn_f, attn_b = both * 2.0 / 7.0, both * 5.0 / 7.0
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.memory_bound_efficiency
     mem = mb * (layer.mem_sharded / tp + layer.mem_replicated / (tp if sp else 1)) / bandwidth

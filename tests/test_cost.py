@@ -180,6 +180,43 @@ def test_a_cluster_that_cannot_overlap_exposes_what_the_runtime_would_hide(small
     assert coeffs == stage_coefficients(small, layout, gpu, cluster, options=no_overlap)
 
 
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_a_shared_core_cluster_hides_that_share_of_each_collective_however_long_the_compute(small, hw, share):
+    """Collectives that take their cycles from the compute's cores (gloo on a CPU: collective_overlap_efficiency
+    below 1) hide only that share of their own time, even under a backward many times longer; on a GPU cluster (1)
+    all of DDP's all-reduce but its last bucket hides."""
+    gpu, cluster = hw
+    layout = Layout(tp=1, pp=1, dp=2, micro_batch=8, num_microbatches=4, recompute="none", zero=0)
+    alone = evaluate(small, layout, gpu, cluster, options=CostOptions(dp_overlap=0.0)).breakdown["dp_comm_s"]
+    on_gpus = evaluate(small, layout, gpu, cluster).breakdown
+    shared = evaluate(small, layout, gpu, replace(cluster, collective_overlap_efficiency=share)).breakdown
+    assert on_gpus["compute_s"] / layout.num_microbatches > 10 * alone and on_gpus["dp_comm_s"] < 0.01 * alone
+    assert shared["dp_comm_s"] == pytest.approx((1.0 - share) * alone, rel=1e-2)
+
+
+def test_a_slower_reduce_scatter_slows_only_the_reduce_scatters(small, hw):
+    """reduce_scatter_efficiency (gloo's reduce-scatter is slower than its all-reduce; mlm-profile measures it)
+    divides the bandwidth term of every reduce-scatter and of nothing else: ZeRO-3's dp traffic grows, DDP's
+    all-reduces stay as they were."""
+    from mlm.planner.cost.collectives import group_link, reduce_scatter_s
+
+    gpu, cluster = hw
+    slow = replace(cluster, reduce_scatter_efficiency=0.5)
+    none = CostOptions(dp_overlap=0.0)
+    ddp = Layout(tp=1, pp=1, dp=2, micro_batch=8, num_microbatches=4, recompute="none", zero=0)
+    assert (
+        evaluate(small, ddp, gpu, slow, options=none).step_time_s
+        == evaluate(small, ddp, gpu, cluster, options=none).step_time_s
+    )
+    zero3 = replace(ddp, zero=3)
+    fast_dp = evaluate(small, zero3, gpu, cluster, options=none).breakdown["dp_comm_s"]
+    slow_dp = evaluate(small, zero3, gpu, slow, options=none).breakdown["dp_comm_s"]
+    link, slow_link = group_link(cluster, 2, 1), group_link(slow, 2, 1)
+    one = reduce_scatter_s(1e9, 2, link) - reduce_scatter_s(0.0, 2, link)  # bandwidth time of 1 GB
+    assert reduce_scatter_s(1e9, 2, slow_link) - reduce_scatter_s(0.0, 2, slow_link) == pytest.approx(2 * one)
+    assert slow_dp > fast_dp
+
+
 def test_a_loss_on_bf16_logits_halves_what_the_loss_keeps(small, hw):
     """CostOptions.loss_bytes 2 (a loss on the bf16 logits) against mlm-run's fp32 upcast: the last stage's peak
     drops by half of the loss's fp32 bytes (the saved log-probabilities of every in-flight micro-batch and the

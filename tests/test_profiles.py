@@ -251,7 +251,7 @@ def test_mlm_profile_bad_input_is_one_line_exit_2(tmp_path: Path, capsys: pytest
 def _fake_measurement(world: int):
     from mlm.runtime.profiling.machine import Collectives, Measurement
 
-    coll = Collectives("gloo", world, 2.0, 1.5, 1.0, 120.0, 0.0)
+    coll = Collectives("gloo", world, 2.0, 1.5, 1.0, 120.0, 0.0, 0.6)
     return Measurement(
         "cpu",
         "fake CPU",
@@ -279,6 +279,7 @@ def test_build_profiles_from_a_measurement() -> None:
     assert gpu.memory_bound_efficiency == 1.0 and gpu.hbm_gbps == 40.0 and gpu.nvlink_gbps == 2.0
     assert cluster.intra_node_collective_efficiency == 0.5 and cluster.gpu == "fake.toml"
     assert cluster.collective_overlap_efficiency == 0.0  # measured: nothing hidden (allowed, unlike a bandwidth)
+    assert cluster.reduce_scatter_efficiency == 0.6  # 0.6 GB/s reduce-scatter over min(all-reduce, all-gather) 1.0
     assert gpu.compute_dtype == "fp32" and gpu.compute_bytes == 4  # mlm-run computes in fp32 on CPU
     gpu_text, cluster_text = render(m, gpu, cluster)
     assert P.GPUProfile.from_dict(tomllib.loads(gpu_text)) == gpu

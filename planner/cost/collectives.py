@@ -40,6 +40,7 @@ class Link:
     intra_hop_s: float = 0.0
     inter_hop_s: float = 0.0
     nodes: int = 1
+    reduce_scatter_share: float = 1.0  # a reduce-scatter's bus bandwidth over bus_bytes_per_s (the cluster's)
 
     def ring_pass_s(self, n: int) -> float:
         """Latency of one pass around a ring of n members (n−1 steps; N of the n hops cross the network)."""
@@ -58,6 +59,7 @@ def _intra(cluster: ClusterProfile) -> Link:
         cluster.intra_node_step_latency_us * 1e-6,
         cluster.inter_node_step_latency_us * 1e-6,
         1,
+        cluster.reduce_scatter_efficiency,
     )
 
 
@@ -76,6 +78,7 @@ def group_link(cluster: ClusterProfile, size: int, stride: int) -> Link:
         intra.intra_hop_s,
         intra.inter_hop_s,
         nodes,
+        cluster.reduce_scatter_efficiency,
     )
 
 
@@ -90,6 +93,7 @@ def p2p_link(cluster: ClusterProfile, stride: int) -> Link:
         cluster.intra_node_step_latency_us * 1e-6,
         cluster.inter_node_step_latency_us * 1e-6,
         2,
+        cluster.reduce_scatter_efficiency,
     )
 
 
@@ -109,7 +113,13 @@ def all_gather_s(nbytes: float, n: int, link: Link, calls: int = 1) -> float:
     return calls * (link.latency_s + link.ring_pass_s(n)) + (n - 1) / n * nbytes / link.bus_bytes_per_s
 
 
-reduce_scatter_s = all_gather_s  # same ring traffic, reversed: (n−1)/n of the full buffer
+def reduce_scatter_s(nbytes: float, n: int, link: Link, calls: int = 1) -> float:
+    """Ring reduce-scatter of `nbytes` (the full buffer): an all-gather's traffic reversed, (n−1)/n · bytes, at the
+    link's reduce-scatter bus bandwidth (the cluster's reduce_scatter_efficiency of it), plus the same latencies."""
+    if n <= 1:
+        return 0.0
+    busbw = link.bus_bytes_per_s * link.reduce_scatter_share
+    return calls * (link.latency_s + link.ring_pass_s(n)) + (n - 1) / n * nbytes / busbw
 
 
 def p2p_s(nbytes: float, link: Link) -> float:

@@ -253,6 +253,10 @@ class ClusterProfile:
     # threads and the compute share a few CPU cores). It scales every overlap CostOptions allows. mlm-profile
     # measures it: an async all-reduce beside a GEMM loop of the same length.
     collective_overlap_efficiency: float = 1.0
+    # a reduce-scatter's bus bandwidth over the all-reduce's and all-gather's (1 with NCCL, whose reduce-scatter is a
+    # ring like its all-gather; gloo's on a CPU took longer than its all-reduce of the same buffer). mlm-profile
+    # measures it.
+    reduce_scatter_efficiency: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """The TOML document as plain JSON-ready values."""

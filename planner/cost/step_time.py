@@ -189,6 +189,10 @@ class CostOptions:
     fused_attention: the attention runs TransformerEngine's DotProductAttention, which picks cuDNN's fused
         attention over flash-attn on Hopper and later (GPUProfile.fused_attention_curve where the profile has one,
         else its attention_curve); False: F.scaled_dot_product_attention's FlashAttention-2, as mlm-run.
+    hidden_share: at most this share of a collective's own time hides under the compute the overlaps above allow
+        (on_cluster sets it from ClusterProfile.collective_overlap_efficiency): where collectives and compute share
+        the same cores, as gloo's threads and the compute on a CPU, running both costs the compute plus
+        (1 - share) of the collective however long the compute is; 1 on GPUs (NCCL runs on SMs of its own).
     """
 
     dp_overlap: float = 1.0
@@ -201,6 +205,7 @@ class CostOptions:
     cp_overlap: float = 0.0
     grad_buffer_bytes: float = GRAD_BYTES
     fused_attention: bool = False
+    hidden_share: float = 1.0
     fused_loss_backward: bool = False
     loss_bytes: float = 4.0
     zero1_gathers_every_microbatch: bool = True
@@ -225,14 +230,16 @@ def _as_run(inputs: ModelCostInputs, layout: Layout, options: CostOptions) -> Mo
 
 
 def on_cluster(options: CostOptions, cluster: ClusterProfile | None) -> CostOptions:
-    """`options` with every overlap it allows scaled by how much a collective can hide under compute on the
-    cluster (ClusterProfile.collective_overlap_efficiency: 1 on GPUs, measured by mlm-profile on a CPU)."""
+    """`options` with the share of a collective that can hide under compute on the cluster
+    (ClusterProfile.collective_overlap_efficiency: 1 on GPUs, measured by mlm-profile on a CPU)."""
     e = cluster.collective_overlap_efficiency if cluster is not None else 1.0
-    if e >= 1.0:
-        return options
-    return replace(
-        options, dp_overlap=options.dp_overlap * e, tp_overlap=options.tp_overlap * e, cp_overlap=options.cp_overlap * e
-    )
+    return options if e >= 1.0 else replace(options, hidden_share=min(options.hidden_share, e))
+
+
+def _exposed(comm: float, window: float, options: CostOptions) -> float:
+    """What of `comm` seconds of collectives stays exposed beside `window` seconds of compute they may run under:
+    hidden up to the window and up to options.hidden_share of their own time."""
+    return comm - min(max(window, 0.0), options.hidden_share * comm)
 
 
 MLM_RUN = CostOptions()
@@ -403,13 +410,13 @@ def _layer_times(
     ring_f, cp_s = _context_exchange(layer, layout, cluster)
     if options.cp_overlap > 0:  # each direction hidden up to the attention it runs beside
         ring_b = cp_s - ring_f
-        ring_f = max(0.0, ring_f - options.cp_overlap * attn_f)
-        cp_s = ring_f + max(0.0, ring_b - options.cp_overlap * attn_b)
+        ring_f = _exposed(ring_f, options.cp_overlap * attn_f, options)
+        cp_s = ring_f + _exposed(ring_b, options.cp_overlap * attn_b, options)
     if layout.recompute == "full":
         extra += a2a_f + ring_f
     tp_overlap = options.tp_overlap
     tp_total = tp_f + tp_b + _tp_fixed(layer, layout, tp_link)
-    tp_exposed = tp_total - min(tp_overlap * tp_total, 3.0 * gemm) if tp_overlap > 0 else tp_total
+    tp_exposed = _exposed(tp_total, min(tp_overlap * tp_total, 3.0 * gemm), options) if tp_overlap > 0 else tp_total
     return _LayerTimes(forward, 2.0 * gemm + attn_b + 2.0 * mem, tp_exposed, extra, ep_s, cp_s)
 
 
@@ -888,7 +895,7 @@ def _dp_rank_time(
         )
         first = max(all_gather_s(inputs.compute_bytes * p / layers, n, link) for p, n, link in groups)
         window = m * (forward + backward)
-        return max(first, comm - o * window) if o > 0 else comm
+        return max(first, _exposed(comm, o * window, options)) if o > 0 else comm
     if layout.zero == 0:
         comm = floor = 0.0
         for p, n, link in groups:
@@ -897,7 +904,7 @@ def _dp_rank_time(
             calls = max(1, math.ceil(grad_bytes / max(bucket, 1.0)))
             comm += all_reduce_s(grad_bytes, n, link, calls)
             floor = max(floor, all_reduce_s(bucket, n, link))
-        return max(floor, comm - o * backward) if o > 0 else comm
+        return max(floor, _exposed(comm, o * backward, options)) if o > 0 else comm
     # zero 1, and zero 3 under pipelining (FSDP2 without resharding after forward): the gradients are
     # reduce-scattered once per step; the parameters gathered for every micro-batch's forward without pipelining
     # (FSDP2 reshards after each backward), once per step with it (the pipeline keeps them between micro-batches)
@@ -907,7 +914,7 @@ def _dp_rank_time(
     ag = sum(gathers * all_gather_s(inputs.compute_bytes * p, n, link) for p, n, link in groups)
     if o <= 0:
         return rs + ag
-    return max(0.0, rs - o * backward) + max(0.0, ag - o * gathers * forward)
+    return _exposed(rs, o * backward, options) + _exposed(ag, o * gathers * forward, options)
 
 
 def _block_params(inputs: ModelCostInputs, layout: Layout) -> float:

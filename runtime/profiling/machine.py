@@ -85,6 +85,7 @@ class Collectives:
     latency_us: float  # time of a one-element all_reduce
     # of an async all_reduce, the fraction hidden under a GEMM loop of about its length run meanwhile (each rank)
     overlap: float = 1.0
+    reduce_scatter_gbps: float = 0.0  # bus bandwidth: input size/time * (p-1)/p (0: not measured)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
         shard, gathered = torch.ones(n // world, device=device), torch.empty(n, device=device)
         tiny = torch.ones(1, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
         def ping_pong() -> None:
             if rank == 0:
@@ -234,6 +236,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
         t_pp = _timed(ping_pong, device, iters)
         t_ar = _timed(lambda: dist.all_reduce(x), device, iters)
         t_ag = _timed(lambda: gather(gathered, shard), device, iters)
+        t_rs = _timed(lambda: scatter(shard, x), device, iters)
         t_lat = _timed(lambda: dist.all_reduce(tiny), device, 4 * iters)
         overlap = _overlap(x, t_ar, device, iters)
         if rank == 0:
@@ -243,6 +246,7 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, nbytes: i
                     "send_recv_gbps": 2 * size / t_pp / 1e9,
                     "all_reduce_gbps": size / t_ar * 2 * (world - 1) / world / 1e9,
                     "all_gather_gbps": size / t_ag * (world - 1) / world / 1e9,
+                    "reduce_scatter_gbps": size / t_rs * (world - 1) / world / 1e9,
                     "latency_us": t_lat * 1e6,
                     "overlap": overlap,
                 }
@@ -319,7 +323,14 @@ def measure_collectives(device: str, world: int, nbytes: int, iters: int) -> Col
         )
     r = queue.get()
     return Collectives(
-        backend, world, r["send_recv_gbps"], r["all_reduce_gbps"], r["all_gather_gbps"], r["latency_us"], r["overlap"]
+        backend,
+        world,
+        r["send_recv_gbps"],
+        r["all_reduce_gbps"],
+        r["all_gather_gbps"],
+        r["latency_us"],
+        r["overlap"],
+        r["reduce_scatter_gbps"],
     )
 
 
@@ -390,7 +401,10 @@ def measure(device: str, quick: bool, world_size: int, log: Log) -> Measurement:
     else:
         log("collectives: one GPU, no peer; timing host-to-device copies as its link")
         coll = measure_host_link(cfg.comm_bytes, cfg.min_time_s)
-    log(f"  all-reduce {coll.all_reduce_gbps:.2f} GB/s bus, all-gather {coll.all_gather_gbps:.2f} GB/s bus")
+    log(
+        f"  all-reduce {coll.all_reduce_gbps:.2f} GB/s bus, all-gather {coll.all_gather_gbps:.2f} GB/s bus, "
+        f"reduce-scatter {coll.reduce_scatter_gbps:.2f} GB/s bus"
+    )
     log(f"  send/recv {coll.send_recv_gbps:.2f} GB/s, latency {coll.latency_us:.0f} us")
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -455,6 +469,8 @@ def build_profiles(m: Measurement, name: str, cluster_ref: str, gpu_ref: str) ->
     peak = _sig(raw_peak)
     c = m.collectives
     link_eff = _sig(min(1.0, min(c.all_reduce_gbps, c.all_gather_gbps) / c.send_recv_gbps))
+    bus = min(1.0, min(c.all_reduce_gbps, c.all_gather_gbps) / c.send_recv_gbps) * c.send_recv_gbps
+    rs_eff = _sig(min(1.0, c.reduce_scatter_gbps / bus)) if c.reduce_scatter_gbps > 0 else 1.0
     link, latency = _sig(c.send_recv_gbps), _sig(c.latency_us)
     gpu = GPUProfile(
         name=name,
@@ -489,6 +505,7 @@ def build_profiles(m: Measurement, name: str, cluster_ref: str, gpu_ref: str) ->
         inter_node_collective_efficiency=link_eff,
         memory_reserve_gib=max(_sig(m.reserve_gib), 1e-3),
         collective_overlap_efficiency=_sig(c.overlap),
+        reduce_scatter_efficiency=rs_eff,
     )
     source = f"measured profile '{name}'"  # the loader's strict checks, so a bad figure fails here, not in mlm-plan
     return GPUProfile.from_dict(gpu.to_dict(), source), ClusterProfile.from_dict(cluster.to_dict(), source)
@@ -538,5 +555,6 @@ def render(m: Measurement, gpu: GPUProfile, cluster: ClusterProfile) -> tuple[st
         ),
         "memory_reserve_gib": "memory in use before mlm's work (other processes, runtime/CUDA context) per rank",
         "collective_overlap_efficiency": "share of an async all_reduce hidden under a GEMM loop as long, run meanwhile",
+        "reduce_scatter_efficiency": f"reduce_scatter {c.reduce_scatter_gbps:.2f} GB/s bus bandwidth / the above's",
     }
     return (to_toml(gpu, gpu_comments, gpu_header), to_toml(cluster, cluster_comments, cluster_header))

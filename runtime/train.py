@@ -346,10 +346,10 @@ def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callab
     """Contexts around forward + backward under tensor parallelism: loss_parallel must enclose the backward too
     (so it wraps the whole schedule step); implicit_replication lets user code mix plain tensors (rotary tables,
     masks) with DTensors. Attention kernels on CPU: an SDPA call on DTensors (attention outside a TP region) runs
-    the math kernel, because DTensor has no sharding rule for the CPU flash kernel. Under fake tensors (the dry
-    run, which stands for the CUDA run) attention of a region, on local per-head tensors, keeps SDPA's own choice:
-    the flash kernel, which saves only the logsumexp as the GPU's does (the math kernel saves the s x s scores).
-    Real CPU runs keep the math kernel for every call, the numerics the TP parity tests were set against."""
+    the math kernel, because DTensor has no sharding rule for the CPU flash kernel; attention of a region, on
+    local per-head tensors, keeps SDPA's own choice, the flash kernel, as one process runs it and as the plan
+    prices it (it saves only the logsumexp; the math kernel saves the s x s scores and took twice as long on a
+    CPU: benchmarks/cpu_calibration_loop.py)."""
 
     def enter() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -376,10 +376,7 @@ def partial_contexts(tp: bool, vocab_head: bool, device: torch.device) -> Callab
                                 return func(*args, **kwargs)
                         return func(*args, **kwargs)
 
-                if _fake_mode_active():
-                    stack.enter_context(MathForDTensorAttention())
-                else:
-                    stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+                stack.enter_context(MathForDTensorAttention())
         return stack
 
     return enter

@@ -48,7 +48,10 @@ class LayerCall:
     """How the training step first called one layer."""
 
     fqn: str
-    grad_leaves: tuple[int, ...]  # indices into pytree leaves of (args, kwargs) that are activations with grad
+    # indices into pytree leaves of (args, kwargs) that are activations: with grad, or floating values computed from
+    # an earlier parameter-holding layer's output (T5's decoder blocks read the cross-attention bias that block 0
+    # returns, a mask without grad): another stage cannot recompute them, so a pipeline boundary sends them
+    grad_leaves: tuple[int, ...]
     output: Any  # the output pytree with tensors replaced by TensorSpec
     # the shape of each pytree leaf of (args, kwargs), None for non-tensors and data-dependent shapes (context
     # parallelism tells by it which arguments are whole-sequence tensors, context_parallel.py)
@@ -181,7 +184,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             if fqn in pending or fqn in calls:
                 return
             leaves = pytree.tree_leaves((args, kwargs))
-            grads = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
+            grads = tuple(i for i, x in enumerate(leaves) if _is_activation(x) or _is_layer_value(x))
             pending[fqn] = grads, tuple(_static_shape(x) for x in leaves)
             reads[fqn] = frozenset().union(*(_origins(x) for x in leaves))
             order.append(fqn)
@@ -189,7 +192,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn, free: bool = free) -> None:
             tracker.depth -= not free
             leaves = pytree.tree_leaves(out)
-            acts = tuple(i for i, x in enumerate(leaves) if _is_activation(x))
+            acts = tuple(i for i, x in enumerate(leaves) if _is_activation(x) or _is_float(x))
             if not free:
                 for i in acts:
                     _tag(leaves[i], frozenset({(fqn, i)}), replace_tags=True)
@@ -285,6 +288,15 @@ class _OriginTracker(TorchDispatchMode):
 
 def _is_activation(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def _is_layer_value(x: Any) -> bool:
+    """A floating tensor without grad computed from a parameter-holding layer's output (tagged by the tracker)."""
+    return _is_float(x) and bool(_origins(x))
 
 
 def check_layers_cover_model(model: nn.Module, layers: list[str]) -> None:

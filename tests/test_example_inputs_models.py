@@ -131,7 +131,8 @@ def test_models_fed_by_example_inputs_train_what_one_process_trains() -> None:
 def test_t5_pipeline_by_data_parallel_under_zero_keeps_its_tied_embedding_in_one_group() -> None:
     """T5's embedding is one tensor under four names (shared, encoder / decoder embed_tokens, lm_head): on the
     decoder's stage FSDP2 refused lm_head as its own group while the root group held `shared` ("shared with a
-    parameter already managed by another FSDP group"). pp2·dp2 ZeRO-1, 4 processes, against one process."""
+    parameter already managed by another FSDP group"). pp2·dp2 ZeRO-1 and pp4, 4 processes, against one process
+    (T5's dropout 0.1 on)."""
     from test_runtime_harness import run_workers
 
     from mlm.runtime.train import RunOptions
@@ -139,6 +140,10 @@ def test_t5_pipeline_by_data_parallel_under_zero_keeps_its_tied_embedding_in_one
     adamw = RunOptions(steps=3, optimizer="adamw", lr=0.01, seed=0, max_grad_norm=0.5)
     want = run_workers(1, _losses, [(_fp32_plan("hf_t5.py", 1, 1, 1), adamw)])[0][0]
     got = run_workers(4, _losses, [(_fp32_plan("hf_t5.py", 2, 1, 2, zero=1), adamw)])[0][0]
+    assert got == pytest.approx(want, abs=2e-5)
+    # pp4, one block per stage: decoder block 1 reads the cross-attention bias decoder block 0 returns (its mask,
+    # no grad), which the boundary now sends (mlm-run refused the plan before: "skips over a stage boundary")
+    got = run_workers(4, _losses, [(_fp32_plan("hf_t5.py", 1, 1, 4), adamw)])[0][0]
     assert got == pytest.approx(want, abs=2e-5)
 
 

@@ -217,6 +217,26 @@ def test_a_slower_reduce_scatter_slows_only_the_reduce_scatters(small, hw):
     assert slow_dp > fast_dp
 
 
+def test_megatron_core_hides_the_interleaved_schedules_steady_state_sends(small, hw):
+    """CostOptions.pp_overlap (Megatron-Core's overlap_p2p_comm, interleaved schedule only): of the first rank's
+    m·vpp chunk passes, the 2(pp−1) + (vpp−1)·pp of warm-up keep their send/recv exposed and the rest hide; 1F1B
+    and mlm-run's schedules (pp_overlap 0) hide nothing. The stage MILP's coefficients say the same."""
+    gpu, cluster = hw
+    over = CostOptions(pp_overlap=1.0)
+    interleaved = L(tp=4, pp=8, dp=1, vpp=3, num_microbatches=64)  # sends over NVLink, under one block's compute
+    steady = (64 * 3 - 2 * 7 - 2 * 8) / (64 * 3)
+    plain = evaluate(small, interleaved, gpu, cluster).breakdown["pp_comm_s"]
+    hidden = evaluate(small, interleaved, gpu, cluster, options=over)
+    assert plain > 0 and hidden.breakdown["pp_comm_s"] == pytest.approx(plain * (1 - steady), rel=1e-9)
+    assert stage_coefficients(small, interleaved, gpu, cluster, options=over).p2p_time_s == pytest.approx(
+        hidden.stages[0].pp_comm_s, rel=1e-12
+    )
+    one_f_one_b = L(tp=4, pp=8, dp=1, vpp=1, num_microbatches=64)
+    assert evaluate(small, one_f_one_b, gpu, cluster, options=over).step_time_s == pytest.approx(
+        evaluate(small, one_f_one_b, gpu, cluster).step_time_s, rel=1e-12
+    )
+
+
 def test_a_loss_on_bf16_logits_halves_what_the_loss_keeps(small, hw):
     """CostOptions.loss_bytes 2 (a loss on the bf16 logits) against mlm-run's fp32 upcast: the last stage's peak
     drops by half of the loss's fp32 bytes (the saved log-probabilities of every in-flight micro-batch and the

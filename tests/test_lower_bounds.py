@@ -196,7 +196,11 @@ def cases(draw):
         zero=draw(st.sampled_from([0, 1, 3])),
     )
     gpu = draw(st.sampled_from(sorted(HARDWARE)))
-    options = draw(st.sampled_from([MEGATRON_2021, MLM_RUN, replace(MLM_RUN, fused_attention=True)]))
+    options = draw(
+        st.sampled_from(
+            [MEGATRON_2021, MLM_RUN, replace(MLM_RUN, fused_attention=True), replace(MLM_RUN, pp_overlap=1.0)]
+        )
+    )
     return inputs, layout, gpu, options
 
 
@@ -209,13 +213,16 @@ def test_every_term_and_the_step_at_least_its_physical_bound(case):
     bd, lb = ev.breakdown, bounds(inputs, layout, ev, gpu, cluster, options)
     assert bd["compute_s"] + bd["recompute_s"] >= lb["compute"] * REL
     assert bd["tp_comm_s"] >= lb["tp_comm"] * REL
-    assert bd["pp_comm_s"] >= lb["pp_comm"] * REL
+    if options.pp_overlap == 0:
+        assert bd["pp_comm_s"] >= lb["pp_comm"] * REL
     assert bd.get("cp_comm_s", 0.0) >= lb["cp_comm"] * REL
     assert bd["optimizer_s"] >= lb["optimizer"] * REL
     if options.dp_overlap == 0:
         assert bd["dp_comm_s"] >= lb["dp_comm"] * REL
     assert ev.step_time_s >= max(lb.values()) * REL
-    assert ev.step_time_s >= (lb["compute"] + lb["tp_comm"] + lb["pp_comm"]) * REL  # none of these overlap here
+    hidden_pp = options.pp_overlap > 0 and layout.vpp > 1  # the interleaved schedule's p2p may hide (Megatron-Core)
+    serial = lb["compute"] + lb["tp_comm"] + (0.0 if hidden_pp else lb["pp_comm"])
+    assert ev.step_time_s >= serial * REL  # none of these overlap here
 
 
 # ---- the case that motivated the bound (issue 14) ----------------------------------------------------------------

@@ -188,6 +188,7 @@ MEGATRON_CORE = CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, 
     zero1_gathers_every_microbatch=False,  # the distributed optimizer all-gathers the parameters once per step
     recompute_repeats_every_reduction=True,  # tensor_parallel.checkpoint re-runs the layer's whole forward
     expert_tensor_parallel=True,  # --expert-tensor-parallel-size defaults to the tp size
+    pp_overlap=1.0,  # overlap_p2p_comm: on by default (--no-overlap-p2p-communication), interleaved schedule only
 )
 RUNTIMES = {
     "megatron-2021": MEGATRON_2021,  # Megatron-LM 2021/2022: DP and TP collectives on the compute stream

@@ -189,6 +189,10 @@ class CostOptions:
     fused_attention: the attention runs TransformerEngine's DotProductAttention, which picks cuDNN's fused
         attention over flash-attn on Hopper and later (GPUProfile.fused_attention_curve where the profile has one,
         else its attention_curve); False: F.scaled_dot_product_attention's FlashAttention-2, as mlm-run.
+    pp_overlap: under the interleaved schedule, the fraction of the send/recv of the steady state's micro-batches
+        hidden behind the chunks' compute (Megatron-Core's overlap_p2p_comm, on by default and only for the
+        interleaved schedule; its warm-up and flush stay exposed unless --overlap-p2p-communication-warmup-flush);
+        0: mlm-run (torch's schedules wait for each receive before the chunk that reads it).
     hidden_share: at most this share of a collective's own time hides under the compute the overlaps above allow
         (on_cluster sets it from ClusterProfile.collective_overlap_efficiency): where collectives and compute share
         the same cores, as gloo's threads and the compute on a CPU, running both costs the compute plus
@@ -206,6 +210,7 @@ class CostOptions:
     grad_buffer_bytes: float = GRAD_BYTES
     fused_attention: bool = False
     hidden_share: float = 1.0
+    pp_overlap: float = 0.0
     fused_loss_backward: bool = False
     loss_bytes: float = 4.0
     zero1_gathers_every_microbatch: bool = True
@@ -482,14 +487,35 @@ def _tp_fixed(layer: LayerCost, layout: Layout, link: Link) -> float:
     return fixed
 
 
-def _p2p_time(inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, tp_link: Link) -> float:
-    """Send/recv time per virtual stage and micro-batch (forward activation + backward gradient), as mlm-run sends
-    them: each tp rank sends its sequence shard under sequence parallelism, else the whole (replicated) activation.
-    (Megatron's scatter-gather optimisation, 1/tp over the wire and an all-gather over tp, is not what runs.)"""
+def _p2p_time(
+    inputs: ModelCostInputs,
+    layout: Layout,
+    cluster: ClusterProfile,
+    tp_link: Link,
+    options: CostOptions = MLM_RUN,
+    gpu: GPUProfile | None = None,
+) -> float:
+    """Exposed send/recv time per virtual stage and micro-batch (forward activation + backward gradient), as mlm-run
+    sends them: each tp rank sends its sequence shard under sequence parallelism, else the whole (replicated)
+    activation. (Megatron's scatter-gather optimisation, 1/tp over the wire and an all-gather over tp, is not what
+    runs.) Under options.pp_overlap and the interleaved schedule, the steady state's share is hidden: of the m·vpp
+    chunk passes of the first rank, all but the 2(pp−1) + (vpp−1)·pp of warm-up (and as many of flush), and at
+    most the compute of the cheapest block (a chunk holds at least one; `gpu` needed)."""
     if layout.pp == 1:
         return 0.0
     nbytes = pipeline_boundary_bytes(inputs, layout)
-    return 2.0 * p2p_s(nbytes, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
+    p2p = 2.0 * p2p_s(nbytes, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
+    if options.pp_overlap <= 0 or layout.vpp <= 1 or gpu is None:
+        return p2p
+    passes = layout.num_microbatches * layout.vpp
+    steady = max(0, passes - 2 * (layout.pp - 1) - (layout.vpp - 1) * layout.pp) / passes
+    seq = max(1, inputs.seq_len // layout.cp)
+    plain = replace(layout, recompute="none")
+    cheapest = min(
+        t.forward_s + t.backward_s
+        for t in (_layer_times(c, plain, gpu, tp_link, seq, options) for c in (inputs.block, *inputs.block_costs))
+    )
+    return _exposed(p2p, options.pp_overlap * steady * min(p2p, cheapest), options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -662,7 +688,7 @@ def evaluate(
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, options, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, options, cluster)
-    p2p = _p2p_time(inputs, layout, cluster, tp_link)
+    p2p = _p2p_time(inputs, layout, cluster, tp_link, options, gpu)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
     g = options.sp_saves_gathered_inputs
@@ -1074,7 +1100,7 @@ def stage_coefficients(
         block_time_recompute_s=t_b + extra,
         pre_time_s=time(pre),
         post_time_s=time(post),
-        p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link),
+        p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link, options, gpu),
         block_static_bytes=mean("block_statics_bytes", kind_static),
         pre_static_bytes=edge_static(inputs.pre),
         post_static_bytes=edge_static(

@@ -63,6 +63,10 @@ class LayerCall:
     # root-level code (a U-Net's up block reads a down block's output): pipeline stages carry them (stages.py)
     reads: frozenset[tuple[str, int]] = frozenset()
     out_activations: tuple[int, ...] = ()  # indices of the output's pytree leaves that are activations
+    # of grad_leaves / out_activations, those without grad (layer values such as T5's cross-attention bias): a
+    # pipeline boundary sends them with no gradient back, which torch's PipelineStage does from 2.13 on (stages.py)
+    no_grad_leaves: tuple[int, ...] = ()
+    no_grad_outputs: tuple[int, ...] = ()
     # linears inside the layer whose output the model then modifies in place (Falcon adds the attention output into
     # the MLP's with +=): under tensor parallelism their rowwise output is a fresh tensor, not DTensor's local view
     modified_in_place: frozenset[str] = frozenset()
@@ -146,7 +150,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
     layers = plan_layers(plan)
     check_layers_cover_model(model, layers)
     calls: dict[str, LayerCall] = {}
-    pending: dict[str, tuple[tuple[int, ...], tuple[tuple[int, ...] | None, ...]]] = {}
+    pending: dict[str, tuple[tuple[int, ...], tuple[tuple[int, ...] | None, ...], tuple[int, ...]]] = {}
     order: list[str] = []
     handles = []
     strays: list[str] = []  # modules with parameters outside every layer that run (a tied lm_head left out)
@@ -185,7 +189,8 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
                 return
             leaves = pytree.tree_leaves((args, kwargs))
             grads = tuple(i for i, x in enumerate(leaves) if _is_activation(x) or _is_layer_value(x))
-            pending[fqn] = grads, tuple(_static_shape(x) for x in leaves)
+            values = tuple(i for i in grads if not _is_activation(leaves[i]))
+            pending[fqn] = grads, tuple(_static_shape(x) for x in leaves), values
             reads[fqn] = frozenset().union(*(_origins(x) for x in leaves))
             order.append(fqn)
 
@@ -201,7 +206,15 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
             spec_out = pytree.tree_map(
                 lambda x: TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x, out
             )
-            calls[fqn] = LayerCall(fqn, pending[fqn][0], spec_out, pending[fqn][1], out_activations=acts)
+            calls[fqn] = LayerCall(
+                fqn,
+                pending[fqn][0],
+                spec_out,
+                pending[fqn][1],
+                out_activations=acts,
+                no_grad_leaves=pending[fqn][2],
+                no_grad_outputs=tuple(i for i in acts if not _is_activation(leaves[i])),
+            )
 
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(module.register_forward_hook(post, with_kwargs=True))

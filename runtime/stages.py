@@ -394,6 +394,22 @@ def check_stage_boundaries(plan: Plan, calls: dict[str, LayerCall]) -> None:
             )
     if LOSS_LAYER not in plan.stages[-1].layers:
         raise PlanFileError('plan.json: the last stage must end with the pseudo-layer "loss"')
+    if _torch_version() < (2, 13):
+        for i, stage in enumerate(plan.stages[1:], start=1):
+            first = next(x for x in stage.layers if x != LOSS_LAYER)
+            values = [k for k in carry[i] if k[1] in calls[k[0]].no_grad_outputs]
+            if calls[first].no_grad_leaves or values:
+                raise PlanFileError(
+                    f"plan.json: stages[{i}] receives a value without grad from an earlier stage's layer (a mask or "
+                    f"bias a layer returns, read by {first} or later); sending it needs torch >= 2.13, whose "
+                    f"PipelineStage sends no gradient back for it (this is torch {torch.__version__}): upgrade "
+                    f"torch, or plan with fewer pipeline stages"
+                )
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def carry_plan(plan: Plan, calls: dict[str, LayerCall]) -> list[tuple[tuple[str, int], ...]]:

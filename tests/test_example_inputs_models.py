@@ -147,6 +147,21 @@ def test_t5_pipeline_by_data_parallel_under_zero_keeps_its_tied_embedding_in_one
     assert got == pytest.approx(want, abs=2e-5)
 
 
+def test_a_boundary_value_without_grad_needs_torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sending T5's cross-attention bias (no grad) across a boundary relies on PipelineStage sending no gradient back
+    for it, which torch 2.13 does (the pp4 parity above); on an older torch mlm-run refuses such a plan in one line
+    naming the stage, and accepts the plans whose boundaries carry only tensors with grad."""
+    from mlm.planner.errors import PlanFileError
+    from mlm.runtime import stages
+    from mlm.runtime.model_build import load_checked_spec, record_layer_calls
+
+    monkeypatch.setattr(stages, "_torch_version", lambda: (2, 11))
+    pp4, pp2 = _fp32_plan("hf_t5.py", 1, 1, 4), _fp32_plan("hf_t5.py", 1, 1, 2)
+    with pytest.raises(PlanFileError, match=r"stages\[3\] receives a value without grad .* torch >= 2.13"):
+        stages.check_stage_boundaries(pp4, record_layer_calls(load_checked_spec(pp4), pp4, 1))
+    stages.check_stage_boundaries(pp2, record_layer_calls(load_checked_spec(pp2), pp2, 1))
+
+
 def test_example_batches_are_one_device_rows_split_over_data_parallel_ranks() -> None:
     from mlm.runtime.data import ExampleSource
 

@@ -618,7 +618,8 @@ def test_encoder_decoder_pipelines_send_what_each_boundary_carries(tmp_path: Pat
     boundary carries. T5 at pp2 (seq 64): sends priced 393,216 bytes against 98,304 run before (T5's first block
     also returns its position bias, which inflated the mean), now at most 2x (the decoder's final dropout module
     is also its first, so the head seems to read an activation from before the decoder blocks). Whisper at pp2,
-    whose plan lost its decoder layers before (mlm-run refused it): every op as priced, peak within 10%."""
+    whose plan lost its decoder layers before (mlm-run refused it): every op as priced, peak within 10%. T5 at pp4
+    (mlm-run refused it before: decoder block 1 reads a mask decoder block 0 returns): all-reduces as priced."""
     from conftest import MODELS
 
     pins = ("--gpus", "2", "--pp", "2", "--tp", "1", "--dp", "1", "--vpp", "1", "--global-batch", "8")
@@ -628,6 +629,14 @@ def test_encoder_decoder_pipelines_send_what_each_boundary_carries(tmp_path: Pat
         assert sent <= priced <= 2 * sent, rank["stage"]
     whisper = write_plan(tmp_path, "whisper", [str(MODELS / "hf_whisper.py"), *pins])
     _assert_matches_plan(_dry_run_doc(whisper), "whisper pp2")
+    # pp4, one block per stage: the decoder's embedding (a tied copy) sits on stage 1 with the encoder's last
+    # block, so three ranks all-reduce the tied gradient, as priced (the cost model counted only the first and last)
+    pins4 = ("--gpus", "4", "--pp", "4", "--tp", "1", "--dp", "1", "--vpp", "1", "--global-batch", "8")
+    t5 = write_plan(tmp_path, "t5pp4", [str(MODELS / "hf_t5.py"), *pins4, "--seq-len", "64"])
+    for rank in _dry_run_doc(t5)["ranks"]:
+        measured, priced = rank["collectives"], rank["predicted_collectives"]
+        assert measured["all_reduce"] == priced["all_reduce"], rank["stage"]
+        assert measured["send"]["count"] == priced["send"]["count"], rank["stage"]
 
 
 def test_masked_attention_is_dry_run_with_the_kernel_a_gpu_runs() -> None:

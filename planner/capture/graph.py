@@ -159,6 +159,10 @@ class ModelIR:
     capture_method: str  # "symbolic_trace" | "export" (+ " (one block, replicated xN)")
     capture_seconds: float
     tied_embeddings: bool = False
+    # layers that hold a parameter another layer holds too (one tensor under several names: a tied embedding, which
+    # T5 calls as encoder.embed_tokens, decoder.embed_tokens and lm_head); each pipeline stage holding one keeps a
+    # copy and all-reduces its gradient with the others
+    tied_layers: tuple[str, ...] = ()
     head_dim: int = 0  # from the attention op's query (0: no attention op found); not always hidden // heads
     attention_kinds: tuple[str, ...] = ()  # distinct kinds in graph order: "causal", "sliding window 4096", ...
     # how attention is computed, distinct, in graph order: "scaled_dot_product_attention", "matmul-softmax-matmul"

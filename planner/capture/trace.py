@@ -159,6 +159,7 @@ def capture(
         capture_method=how,
         capture_seconds=time.perf_counter() - start,
         tied_embeddings=tied,
+        tied_layers=_tied_layers(model, [x.name for x in layers]) if tied else (),
         head_dim=facts.head_dim,
         attention_kinds=facts.attention_kinds,
         attention_ops=tuple(dict.fromkeys(site.how for site in found.attention)),
@@ -479,6 +480,24 @@ def _has_tied_embedding(model: nn.Module) -> bool:
             return True
         seen[id(p)] = name
     return False
+
+
+def _tied_layers(model: nn.Module, layer_names: list[str]) -> tuple[str, ...]:
+    """The layers (of `layer_names`, in their order) holding a parameter that is also reachable under another name
+    outside that layer (an alias on the root, as T5's `shared`, counts for no layer)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+
+    def layer_of(param: str) -> str | None:
+        return next((x for x in layer_names if param == x or param.startswith(x + ".")), None)
+
+    holders: set[str] = set()
+    for aliases in names.values():
+        layers = {layer_of(a) for a in aliases} - {None}
+        if len(aliases) > 1 and len(layers) > 1:
+            holders |= layers  # type: ignore[arg-type]
+    return tuple(x for x in layer_names if x in holders)
 
 
 def find_block_group(model: nn.Module) -> BlockGroup | None:

@@ -27,8 +27,9 @@ step_time.py's docstring):
            part of the sequence, and the dp terms reduce over dp·cp ranks
   ep       per MoE layer and micro-batch an all-to-all of the per-expert row counts, the dispatch and the combine
            forward (again under full recompute) and their two reverses backward, over the ep group
-  tied     pp > 1 with a tied embedding: one all-reduce of its gradient on the first and the last rank (of the
-           rank's dp shard under ZeRO >= 1)
+  tied     pp > 1 with a tied embedding: one all-reduce of its gradient on each rank holding a copy (the first,
+           the last, and a middle one holding a tied layer such as T5's decoder embedding; of the rank's dp shard
+           under ZeRO >= 1)
   norm     more than one rank: one all-reduce of the squared gradient norm (4 bytes) over every rank
 FSDP units are what runtime/data_parallel.py wraps: every layer that holds parameters, plus the stage itself.
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, vocab_shards
+from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, tied_stages, vocab_shards
 from mlm.planner.cost.memory import local_expert_params, local_params
 from mlm.planner.layout import Layout
 
@@ -232,9 +233,11 @@ def rank_collectives(
             after = pipeline_boundary_bytes(inputs, layout, first_block + n) if i < last else 0.0
             before = pipeline_boundary_bytes(inputs, layout, first_block) if i > 0 else 0.0
             _add(out, "send", m * ((i < last) + (i > 0)), m * (after + before))
-    if pp > 1 and inputs.tied_params and (0 in stages or last in stages):
+    holders = tied_stages(inputs, blocks_per_stage)  # the embedding's, the tied head's and any middle copy's stages
+    if pp > 1 and set(stages) & holders and len({s % pp for s in holders}) > 1:
         vs = vocab_shards(inputs, layout.tp)
-        # the IR counts tied parameters at the embedding: the rank with the head but not the embedding holds a copy
+        # the IR counts tied parameters at the embedding: a rank without the embedding holds a copy (the head's, or
+        # a middle layer's such as T5's decoder embedding), one per rank
         params += inputs.tied_params / vs if 0 not in stages else 0.0
         # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
         shard = vs * (dp if layout.zero >= 1 else 1)

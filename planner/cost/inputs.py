@@ -142,6 +142,9 @@ class ModelCostInputs:
     vocab_size: int
     num_params: int
     block_costs: tuple[LayerCost, ...] = ()  # one per block, in order (block_names); `block` is their mean
+    # with tied_params: blocks that (with the layers run after them) hold a copy of the tied weight besides the first
+    # and last stage's, as T5's decoder embedding after its encoder's last block; their stage all-reduces it too
+    tied_blocks: tuple[int, ...] = ()
     active_params: int = 0  # parameters one token uses (MoE: top_k of the routed experts); num_params if dense
     # (tp, sequence parallelism) -> these inputs with the blocks split as the sharding ILP split them, where that
     # differs from Megatron's rule (with_tp_styles); for_tp picks the one a layout runs
@@ -221,6 +224,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
     def own(layer: LayerIR) -> Mapping[str, str] | None:  # every layer the ILP split, blocks or not (a U-Net's)
         return tp_states.get(layer.name) if tp_states else None
 
+    tied_blocks: list[int] = []  # blocks whose own or merged layers hold a tied copy (T5's decoder embedding)
     for layer in ir.layers[first : last + 1]:
         cost = _layer_cost(layer, ir, own(layer), sequence_parallel)
         if layer.kind == "block":
@@ -230,6 +234,8 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
             merged = _merge([costs[-1], cost])
             output = max(costs[-1].output_bytes, cost.output_bytes)
             costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim, output_bytes=output)
+        if layer.name in ir.tied_layers and len(costs) - 1 not in tied_blocks:
+            tied_blocks.append(len(costs) - 1)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
     pre = _merge([_layer_cost(x, ir, own(x), sequence_parallel) for x in ir.layers[:first]])
     # SP's scatter of the first block's input: its backward all-gathers that input's gradient (the hidden state,
@@ -253,6 +259,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         pre=pre,
         post=post,
         tied_params=tied,
+        tied_blocks=tuple(tied_blocks) if tied else (),
         seq_len=ir.seq_len,
         hidden_size=ir.hidden_size,
         num_heads=ir.num_heads,
@@ -336,6 +343,19 @@ def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
         expert_tp_count=0,
         expert_tp_bytes=0.0,
     )
+
+
+def tied_stages(inputs: ModelCostInputs, blocks_per_stage: tuple[int, ...] | list[int]) -> set[int]:
+    """The (virtual) stages holding a copy of the tied weight when pp > 1: the first (the embedding), the last (the
+    tied head) and those holding one of inputs.tied_blocks; empty without a tied head."""
+    if not inputs.tied_params or len(blocks_per_stage) < 2:
+        return set()
+    out, start = {0, len(blocks_per_stage) - 1}, 0
+    for i, n in enumerate(blocks_per_stage):
+        if any(start <= b < start + n for b in inputs.tied_blocks):
+            out.add(i)
+        start += n
+    return out
 
 
 def vocab_shards(inputs: ModelCostInputs, tp: int) -> int:

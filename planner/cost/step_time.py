@@ -93,6 +93,7 @@ from mlm.planner.cost.inputs import (
     cp_share,
     for_tp,
     summarize,
+    tied_stages,
     vocab_shards,
 )
 from mlm.planner.cost.memory import (
@@ -698,6 +699,12 @@ def evaluate(
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
     p_post, e_post = rank_params(inputs.post, tp, layout.ep)
     p_post += inputs.tied_params / vocab_shards(inputs, tp) if pp > 1 else 0.0
+    # middle stages holding a tied copy (T5's decoder embedding), one copy per rank: not on the embedding's rank 0
+    # nor on the rank of the last stage, whose head copy p_post holds
+    tied_copies: dict[int, int] = {}
+    for i in sorted(tied_stages(inputs, counts) - {0, num_stages - 1}):
+        if i % pp not in (0, (num_stages - 1) % pp):
+            tied_copies.setdefault(i % pp, i)
     reserve = cluster.memory_reserve_gib * GIB
     buffer, working = _rank_wide_bytes(inputs, layout, g)
     batch = rank_batch_bytes(inputs, layout)
@@ -723,6 +730,8 @@ def evaluate(
                     cpc + t.cp_s,
                 )
                 params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
+        if tied_copies.get(i % pp) == i:
+            params += inputs.tied_params / vocab_shards(inputs, tp)
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
         static = stage_state_bytes(params, experts, layout, options.grad_buffer_bytes, inputs.compute_bytes)
         memory = MemoryBreakdown(
@@ -836,11 +845,17 @@ class _RankTotals:
 
 
 def _dp_time(
-    inputs: ModelCostInputs, layout: Layout, cluster: ClusterProfile, ranks: _RankTotals, options: CostOptions
+    inputs: ModelCostInputs,
+    layout: Layout,
+    cluster: ClusterProfile,
+    ranks: _RankTotals,
+    options: CostOptions,
+    tied_ranks: int = 2,
 ) -> float:
     """Exposed data-parallel (and tied-embedding, SP norm gradient and gradient-norm) communication per step, the
     slowest rank's (CostOptions says what overlaps with what). Dense gradients reduce over the dp·cp ranks; with
-    ep > 1 the routed experts' over the dp·cp/ep ranks that hold the same experts (ep·tp apart)."""
+    ep > 1 the routed experts' over the dp·cp/ep ranks that hold the same experts (ep·tp apart); a tied weight's
+    gradient over the `tied_ranks` pipeline ranks that hold a copy."""
     dp, pp = layout.dp, layout.pp
     exposed = 0.0
     if dp * layout.cp > 1:
@@ -848,12 +863,12 @@ def _dp_time(
         for rank in range(pp):
             t = _dp_rank_time(inputs, layout, _dp_groups(layout, cluster, ranks, rank), ranks, rank, o, options)
             exposed = max(exposed, t)
-    if pp > 1 and inputs.tied_params:
+    if pp > 1 and inputs.tied_params and tied_ranks > 1:
         exposed += all_reduce_s(
             options.grad_reduce_bytes
             * inputs.tied_params
             / (vocab_shards(inputs, layout.tp) * (dp if layout.zero >= 1 else 1)),
-            2,
+            tied_ranks,
             p2p_link(cluster, layout.tp * layout.cp * dp),
         )
     if layout.tp > 1:  # SP norm and per-head norm gradients, the fullest rank's (ceil(blocks / pp))
@@ -975,7 +990,8 @@ def _assemble(
     rank_times = [ranks.time(r) for r in range(pp)]
     pipe, bubble = pipeline_time(rank_times, m, layout.vpp)
     b = max(range(pp), key=rank_times.__getitem__)
-    dp_s = _dp_time(inputs, layout, cluster, ranks, options)
+    holders = len({s.rank for s in stages if s.index in tied_stages(inputs, [c.num_blocks for c in stages])})
+    dp_s = _dp_time(inputs, layout, cluster, ranks, options, holders)
     opt_s = _optimizer_s(layout, gpu, ranks)
     breakdown = {
         "compute_s": m * (ranks.forward[b] + ranks.backward[b]),

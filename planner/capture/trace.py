@@ -483,11 +483,14 @@ def _has_tied_embedding(model: nn.Module) -> bool:
 
 
 def _tied_layers(model: nn.Module, layer_names: list[str]) -> tuple[str, ...]:
-    """The layers (of `layer_names`, in their order) holding a parameter that is also reachable under another name
-    outside that layer (an alias on the root, as T5's `shared`, counts for no layer)."""
+    """The layers (of `layer_names`, in their order) holding a tied embedding weight: an nn.Embedding's weight also
+    reachable under a name in another layer (an alias on the root, as T5's `shared`, counts for no layer). Other
+    shared parameters are not the tied head the cost model prices (ModelCostInputs.tied_params)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+        if id(p) in embeddings:
+            names.setdefault(id(p), []).append(name)
 
     def layer_of(param: str) -> str | None:
         return next((x for x in layer_names if param == x or param.startswith(x + ".")), None)

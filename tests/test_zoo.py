@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mlm.planner.capture.loader import instantiate, load_model_spec
 from mlm.planner.capture.trace import capture
+from mlm.planner.cost.inputs import summarize
 from mlm.planner.search.layouts import PlanRequest
 from mlm.planner.search.make_plan import make_plan
 
@@ -102,6 +103,10 @@ def test_t5_encoder_decoder_facts_and_flops() -> None:
     ir = capture(spec, seq_len=SEQ)
     assert ir.num_params == sum(p.numel() for p in instantiate(spec, "meta").parameters())
     assert (ir.hidden_size, ir.num_heads, ir.head_dim, ir.vocab_size) == (32, 4, 8, 96)
+    # the shared embedding under three layers' names (root `shared` belongs to none); the decoder's copy runs with
+    # the encoder's last block, so that block's stage holds one too
+    assert ir.tied_layers == ("encoder.embed_tokens", "decoder.embed_tokens", "lm_head")
+    assert summarize(ir).tied_blocks == (1,)
     model = spec.module.build_model()
     inputs = spec.module.example_inputs(1, SEQ)[0]
     assert _captured_flops(ir) == pytest.approx(_kernel_flops(model, inputs), rel=0.02)

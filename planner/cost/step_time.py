@@ -8,8 +8,9 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
   attention   fused kernels: the profile's convention, 7·b·h·s²·d fwd+bwd FLOPs for a causal call (= 1.75x the
               IR's non-causal forward count: the kernels skip the blocks above the diagonal), twice that for a call
               that computes every block (a mask tensor, or bidirectional: attn_full_flops), at
-              attention_efficiency(s), split 2:5 forward:backward; materialised scores (manual): batched (s, s, d)
-              GEMMs, backward 2x.
+              attention_efficiency(s) (the profile's fused-attention curve for a stack that runs cuDNN's kernel,
+              CostOptions.fused_attention), split 2:5 forward:backward; materialised scores (manual): batched
+              (s, s, d) GEMMs, backward 2x.
   memory-bound  bytes / (hbm_gbps · memory_bound_efficiency), tp-region bytes ÷tp, residual-stream bytes ÷tp only
               with sequence parallelism; backward moves 2x the forward bytes (reads saved input and grad, writes grad).
   tp comm     per block 2 all-reduces forward and 2 backward (Megatron's g and f), or all-gather + reduce-scatter
@@ -20,7 +21,9 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
   recompute   full: one more forward of the block incl. its all-reduces but the last; selective: the attention
               core's forward (score matmuls and softmax/dropout bytes; nothing when the fused kernel saves no scores).
   pp comm     per virtual stage and micro-batch one send/recv forward and one backward of the boundary activation
-              as mlm-run sends it: the whole activation per tp rank, or its sequence shard (1/tp) under SP.
+              as mlm-run sends it: the whole activation per tp rank, or its sequence shard (1/tp) under SP; not
+              hidden (mlm-run), or, under the interleaved schedule, hidden in the steady state (pp_overlap:
+              Megatron-Core's overlap_p2p_comm).
   bubble      planner/cost/schedule.py: m·t_max + (Σ t_rank − t_max)/vpp, i.e. (pp−1)/(vpp·m) of ideal when balanced.
   dp comm     gradient all-reduce in DDP buckets (zero 0; CostOptions.grad_reduce_bytes per element) or
               reduce-scatter + all-gather of the parameters in the compute dtype (zero 1) of the rank's local
@@ -29,7 +32,10 @@ well under a millisecond. Per micro-batch and per layer (planner/cost/inputs.py 
               per step (mlm-run) or every micro-batch. Latency grows with the ring
               and a group spanning nodes runs at its members' NIC bandwidth (collectives.py). What overlaps:
               CostOptions (default mlm-run, torch DDP/FSDP2: hidden up to the compute it runs under; MEGATRON_2021:
-              nothing hidden). Tied embeddings add a first/last-stage gradient all-reduce when pp > 1.
+              nothing hidden); on a cluster whose collectives share the compute's cores (gloo on a CPU) at most
+              collective_overlap_efficiency of each collective's own time hides. Tied embeddings add, when pp > 1, a
+              gradient all-reduce over the pipeline ranks holding a copy (first, last, and a middle one such as
+              T5's decoder embedding).
   optimizer   Adam as a memory-bound pass: 28 bytes per local parameter (fp32 master, m, v read+written; bf16
               grad read, bf16 weight written; with fp32 compute the same 28: fp32 grad read, no copy written),
               sharded over dp under zero >= 1.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from mlm.planner.cost.calibration import RowEvaluator, read_measurements, scaled_profile, table_path
+from mlm.planner.cost.calibration import RowEvaluator, read_measurements, table_path
 from mlm.planner.cost.hardware import GPUProfile, load_gpu
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = read_measurements(table_path(args.file))
     gpu = load_gpu(rows[0].gpu)
-    evaluator = RowEvaluator(rows, scaled_profile(gpu, gpu.calibration.compute_factor if gpu.calibration else 1.0))
+    evaluator = RowEvaluator(rows, gpu.with_compute_factor(gpu.calibration.compute_factor if gpu.calibration else 1.0))
     results = []
     for g in (float(x) for x in args.gemm.split(",")):
         for a in (float(x) for x in args.attention.split(",")):

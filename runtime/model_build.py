@@ -197,7 +197,7 @@ def record_layer_calls(spec: ModelSpec, plan: Plan, micro_batch: int) -> dict[st
         def post(_m: nn.Module, _args: tuple, _kwargs: dict, out: Any, fqn: str = fqn, free: bool = free) -> None:
             tracker.depth -= not free
             leaves = pytree.tree_leaves(out)
-            acts = tuple(i for i, x in enumerate(leaves) if _is_activation(x) or _is_float(x))
+            acts = tuple(i for i, x in enumerate(leaves) if _is_float(x))  # with grad or not
             if not free:
                 for i in acts:
                     _tag(leaves[i], frozenset({(fqn, i)}), replace_tags=True)

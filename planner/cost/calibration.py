@@ -436,11 +436,6 @@ class RowPrediction:
         return self.measurement.published_step_s() / self.predicted_step_s - 1.0
 
 
-def scaled_profile(gpu: GPUProfile, factor: float) -> GPUProfile:
-    """The GPU profile with its prior efficiency curves (from its [calibration] table) times `factor`."""
-    return gpu.with_compute_factor(factor)
-
-
 Candidate = tuple[Layout, int | None]  # a layout and, under recompute "full", the blocks recomputed per stage
 
 
@@ -528,9 +523,9 @@ def fit_factor(train: RowEvaluator, gpu: GPUProfile) -> float:
     """The compute factor on the prior curves that minimises `objective` on the train rows: a 0.02 grid over
     [0.30, 1.30], refined on a FACTOR_STEP grid around the best point."""
     grid = [round(0.30 + 0.02 * i, 3) for i in range(51)]
-    best = min(grid, key=lambda f: (objective(train.predict(scaled_profile(gpu, f))), f))
+    best = min(grid, key=lambda f: (objective(train.predict(gpu.with_compute_factor(f))), f))
     fine = [round(best + FACTOR_STEP * i, 3) for i in range(-4, 5) if best + FACTOR_STEP * i > 0]
-    return min(fine, key=lambda f: (objective(train.predict(scaled_profile(gpu, f))), f))
+    return min(fine, key=lambda f: (objective(train.predict(gpu.with_compute_factor(f))), f))
 
 
 @dataclass(frozen=True)
@@ -592,8 +587,8 @@ def fit_gpu(gpu: GPUProfile, files: list[Path] | None = None) -> FitResult | Non
         fit_rows = [i for i in mine if rows[i].split == "train"]
         if fit_rows:
             f = fit_factor(everything.subset(fit_rows), gpu)
-            own[src] = (f, everything.subset(mine).predict(scaled_profile(gpu, f)))
-    return FitResult(gpu.name, factor, everything.predict(scaled_profile(gpu, factor)), own)
+            own[src] = (f, everything.subset(mine).predict(gpu.with_compute_factor(f)))
+    return FitResult(gpu.name, factor, everything.predict(gpu.with_compute_factor(factor)), own)
 
 
 def leave_source_out(gpu: GPUProfile, files: list[Path] | None = None) -> dict[str, tuple[float, float, float]]:
@@ -608,6 +603,6 @@ def leave_source_out(gpu: GPUProfile, files: list[Path] | None = None) -> dict[s
             continue
         factor = fit_factor(everything.subset(train), gpu)
         held = everything.subset([i for i, m in enumerate(rows) if m.file == src])
-        errs = [100 * abs(p.error) for p in held.predict(scaled_profile(gpu, factor))]
+        errs = [100 * abs(p.error) for p in held.predict(gpu.with_compute_factor(factor))]
         out[src] = (factor, sum(errs) / len(errs), max(errs))
     return out

@@ -500,29 +500,23 @@ def _p2p_time(
     cluster: ClusterProfile,
     tp_link: Link,
     options: CostOptions = MLM_RUN,
-    gpu: GPUProfile | None = None,
+    cheapest_block_s: float = 0.0,
 ) -> float:
     """Exposed send/recv time per virtual stage and micro-batch (forward activation + backward gradient), as mlm-run
     sends them: each tp rank sends its sequence shard under sequence parallelism, else the whole (replicated)
     activation. (Megatron's scatter-gather optimisation, 1/tp over the wire and an all-gather over tp, is not what
     runs.) Under options.pp_overlap and the interleaved schedule, the steady state's share is hidden: of the m·vpp
     chunk passes of the first rank, all but the 2(pp−1) + (vpp−1)·pp of warm-up (and as many of flush), and at
-    most the compute of the cheapest block (a chunk holds at least one; `gpu` needed)."""
+    most `cheapest_block_s`, the forward + backward of the cheapest block (a chunk holds at least one)."""
     if layout.pp == 1:
         return 0.0
     nbytes = pipeline_boundary_bytes(inputs, layout)
     p2p = 2.0 * p2p_s(nbytes, p2p_link(cluster, layout.tp * layout.cp * layout.dp))
-    if options.pp_overlap <= 0 or layout.vpp <= 1 or gpu is None:
+    if options.pp_overlap <= 0 or layout.vpp <= 1:
         return p2p
     passes = layout.num_microbatches * layout.vpp
     steady = max(0, passes - 2 * (layout.pp - 1) - (layout.vpp - 1) * layout.pp) / passes
-    seq = max(1, inputs.seq_len // layout.cp)
-    plain = replace(layout, recompute="none")
-    cheapest = min(
-        t.forward_s + t.backward_s
-        for t in (_layer_times(c, plain, gpu, tp_link, seq, options) for c in (inputs.block, *inputs.block_costs))
-    )
-    return _exposed(p2p, options.pp_overlap * steady * min(p2p, cheapest), options)
+    return _exposed(p2p, options.pp_overlap * steady * min(p2p, cheapest_block_s), options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -567,6 +561,11 @@ def _block_terms(
             )
         )
     return tuple(terms), kind_of
+
+
+def _cheapest_block_s(terms: tuple[_BlockTerms, ...]) -> float:
+    """Forward + backward of the cheapest distinct block (_block_terms)."""
+    return min(t.times.forward_s + t.times.backward_s for t in terms)
 
 
 def _stage_blocks(
@@ -695,11 +694,11 @@ def evaluate(
     plain = replace(layout, recompute="none") if layout.recompute != "none" else layout
     pre = _layer_times(inputs.pre, plain, gpu, tp_link, seq, options, cluster)
     post = _layer_times(inputs.post, plain, gpu, tp_link, seq, options, cluster)
-    p2p = _p2p_time(inputs, layout, cluster, tp_link, options, gpu)
     flight = inflight(pp, vpp, m)
     mb, sp = layout.micro_batch, layout.sequence_parallel
     g = options.sp_saves_gathered_inputs
     terms, kind_of = _block_terms(inputs, layout, gpu, tp_link, seq, options, cluster)
+    p2p = _p2p_time(inputs, layout, cluster, tp_link, options, _cheapest_block_s(terms))
     a_pre = activation_bytes(inputs.pre, "none", tp, sp, mb, g)
     a_post = activation_bytes(inputs.post, "none", tp, sp, mb, g)
     p_pre, e_pre = rank_params(inputs.pre, tp, layout.ep)
@@ -707,8 +706,9 @@ def evaluate(
     p_post += inputs.tied_params / vocab_shards(inputs, tp) if pp > 1 else 0.0
     # middle stages holding a tied copy (T5's decoder embedding), one copy per rank: not on the embedding's rank 0
     # nor on the rank of the last stage, whose head copy p_post holds
+    tied = tied_stages(inputs, counts)
     tied_copies: dict[int, int] = {}
-    for i in sorted(tied_stages(inputs, counts) - {0, num_stages - 1}):
+    for i in sorted(tied - {0, num_stages - 1}):
         if i % pp not in (0, (num_stages - 1) % pp):
             tied_copies.setdefault(i % pp, i)
     reserve = cluster.memory_reserve_gib * GIB
@@ -771,7 +771,7 @@ def evaluate(
         )
         stages.append(stage)
         ranks.add(i % pp, stage, params, experts)
-    return _assemble(whole, inputs, layout, gpu, cluster, stages, ranks, options)
+    return _assemble(whole, inputs, layout, gpu, cluster, stages, ranks, options, len({i % pp for i in tied}))
 
 
 def moe_share(inputs: ModelCostInputs) -> float:
@@ -856,7 +856,7 @@ def _dp_time(
     cluster: ClusterProfile,
     ranks: _RankTotals,
     options: CostOptions,
-    tied_ranks: int = 2,
+    tied_ranks: int,
 ) -> float:
     """Exposed data-parallel (and tied-embedding, SP norm gradient and gradient-norm) communication per step, the
     slowest rank's (CostOptions says what overlaps with what). Dense gradients reduce over the dp·cp ranks; with
@@ -991,13 +991,14 @@ def _assemble(
     stages: list[StageCost],
     ranks: _RankTotals,
     options: CostOptions,
+    tied_ranks: int,
 ) -> Evaluation:
+    """The step's Evaluation from its stages (tied_ranks: the pipeline ranks holding a copy of a tied weight)."""
     pp, m = layout.pp, layout.num_microbatches
     rank_times = [ranks.time(r) for r in range(pp)]
     pipe, bubble = pipeline_time(rank_times, m, layout.vpp)
     b = max(range(pp), key=rank_times.__getitem__)
-    holders = len({s.rank for s in stages if s.index in tied_stages(inputs, [c.num_blocks for c in stages])})
-    dp_s = _dp_time(inputs, layout, cluster, ranks, options, holders)
+    dp_s = _dp_time(inputs, layout, cluster, ranks, options, tied_ranks)
     opt_s = _optimizer_s(layout, gpu, ranks)
     breakdown = {
         "compute_s": m * (ranks.forward[b] + ranks.backward[b]),
@@ -1122,7 +1123,7 @@ def stage_coefficients(
         block_time_recompute_s=t_b + extra,
         pre_time_s=time(pre),
         post_time_s=time(post),
-        p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link, options, gpu),
+        p2p_time_s=_p2p_time(inputs, layout, cluster, tp_link, options, _cheapest_block_s(terms)),
         block_static_bytes=mean("block_statics_bytes", kind_static),
         pre_static_bytes=edge_static(inputs.pre),
         post_static_bytes=edge_static(

@@ -27,7 +27,9 @@ the model in which
 A phantom still reaching one of the stage's own layers, the tensors sent to the next stage, or the loss (a value
 the record did not trace, such as an integer tensor computed on another stage) fails with one line naming the layer
 that reads it and the other stage's layer it comes from. Tied weights need nothing special: the owning layer holds
-the parameter on its stage, and optim.py keeps the copies on different stages equal.
+the parameter on its stage, and optim.py keeps the copies on different stages equal. A module outside every layer
+that holds only other layers' parameters (T5's uncalled `shared` embedding, the tensor its encoder and decoder call
+as embed_tokens) is an `Alias` on a stage that holds none of those layers, so that stage keeps no copy of it.
 """
 
 from __future__ import annotations
@@ -463,6 +465,8 @@ def build_stage(
             if fqn == next_first
             else Placeholder(fqn, calls[fqn].output, device, original, carried)
         )
+    for fqn in aliases_elsewhere(model, all_layers, own):
+        replacements[fqn] = Alias(fqn, model.get_submodule(fqn))
     stage_model = _replace_modules(model, replacements)
     send = calls[next_first].grad_leaves if next_first is not None else ()
     recv_layer = own[0] if index > 0 else None
@@ -481,6 +485,39 @@ def build_stage(
         carry_out,
         carried,
     )
+
+
+def aliases_elsewhere(model: nn.Module, layers: list[str], own: list[str]) -> list[str]:
+    """Modules outside every layer (and not containers of layers) all of whose parameters are parameters of layers,
+    none of them this stage's: the stage need not hold them (see Alias)."""
+    in_layers = {id(p) for f in layers for p in model.get_submodule(f).parameters()}
+    mine = {id(p) for f in own for p in model.get_submodule(f).parameters()}
+    found: list[str] = []
+    for name, module in model.named_modules():
+        related = (f for f in [*layers, *found] if name == f or name.startswith(f + ".") or f.startswith(name + "."))
+        if not name or next(related, None) is not None:
+            continue
+        params = [id(p) for p in module.parameters()]
+        if params and all(i in in_layers and i not in mine for i in params):
+            found.append(name)
+    return found
+
+
+class Alias(_StandIn):
+    """Stands in for a module outside every layer that only aliases other stages' layers' parameters (T5's
+    `shared`): no parameters here; attribute reads see the original (an embedding's `num_embeddings`), and calling
+    it fails with one line, since its weights live on another stage."""
+
+    def __init__(self, fqn: str, original: nn.Module) -> None:
+        super().__init__()
+        self.fqn = fqn
+        object.__setattr__(self, "_original", original)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PlanFileError(
+            f"{self.fqn} holds only the parameters of layers on other pipeline stages but is called here; "
+            f"plan.json's stages must hold it with its layers"
+        )
 
 
 def _parameter_free(module: nn.Module) -> bool:

@@ -138,6 +138,9 @@ class LayerIR:
     # of flops_attention, the fused-kernel calls that compute every (query, key) block (a mask tensor, or not causal:
     # masks.computes_every_block); the other fused calls are causal and execute half of their counted FLOPs
     flops_attention_full: float = 0.0
+    # bytes of the layer's outputs that the batch does not size (T5's position bias, computed from parameters and
+    # position ids alone): a boundary sends them once per micro-batch, not per sample
+    output_fixed_bytes: float = 0.0
     ops: nx.DiGraph | None = field(default=None, compare=False, repr=False, hash=False)
 
     @property

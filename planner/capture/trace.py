@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -726,9 +726,7 @@ def build_layers(
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     weights = {n for n, name in params.items() if _strip_root(name) in names}  # not buffers (rotary inv_freq)
     blocks = [layer.name for layer in layers if layer.kind == "block"]
-    skips, carried, by_boundary = pipeline_skips(
-        graph, calls, owner, weights, blocks, {x.name: x.output_bytes for x in layers}
-    )
+    skips, carried, by_boundary = pipeline_skips(graph, calls, owner, weights, blocks)
     inside = {id(p) for name in order if name in modules for p in modules[name].parameters()}
     roots = tuple(name for name, p in model.named_parameters() if id(p) not in inside)
     containers = tuple(g.fqn for g in groups)
@@ -765,35 +763,45 @@ def pipeline_skips(
     owner: dict[torch.fx.Node, str],
     weights: set[torch.fx.Node],
     blocks: list[str],
-    output_bytes: dict[str, float],
 ) -> tuple[tuple[str, ...], float, tuple[float, ...]]:
     """Connections that skip over a block: a layer reading a value computed from the weights (an activation) by a
     layer with a block between them, as a U-Net's up blocks read its down blocks and time embedding, or T5's
     decoder reads its encoder; and the most bytes per sample that such connections carry across one block
-    boundary (the producing layers' outputs, as mlm-run's stages carry them beside the next block's input,
-    runtime/stages.py carry_plan), and what they carry across each boundary between two blocks (before block j,
+    boundary (the values read, each once, as mlm-run's stages carry those output leaves beside the next block's
+    input, runtime/stages.py carry_plan), and what they carry across each boundary between two blocks (before block j,
     j >= 1: the outputs of layers before block j that block j or a later layer reads). Values computed from the
     batch and buffers alone (position ids, rotary tables, masks) are recomputed by every stage and do not count."""
     weighted: set[torch.fx.Node] = set()
     for n in graph.nodes:
         if n in weights or any(a in weighted for a in _inputs(n)):
             weighted.add(n)
-    order = list(dict.fromkeys(owner[n] for n in calls))
-    pos = {name: i for i, name in enumerate(order)}
-    block_pos = sorted(pos[b] for b in blocks if b in pos)
+    # positions are op indices, not layer positions: a module called twice (T5's stack calls one dropout after its
+    # embedding and again after its final norm) makes a layer that sits before the blocks but also produces the
+    # stack's output after them, which crosses no boundary inside the stack
+    index = {n: i for i, n in enumerate(calls)}
+    span: dict[str, list[int]] = {}
+    for n in calls:
+        if owner[n] in blocks:
+            span.setdefault(owner[n], [index[n], index[n]])[1] = index[n]
+    spans = sorted(span.values())
     found: dict[tuple[str, str], None] = {}
+    crossings: list[tuple[int, int, torch.fx.Node]] = []  # (produced at, read at, value) of each skip
     for n in calls:
         reader = owner[n]
         for a in _inputs(n):
             source = owner.get(a)
-            if source is None or source == reader or a not in weighted:
+            if source is None or source == reader or a not in weighted or a not in index:
                 continue
-            if any(pos[source] < b < pos[reader] for b in block_pos):
+            if any(index[a] < lo and hi < index[n] for lo, hi in spans):
                 found[(reader, source)] = None
-    crossing = [sum(output_bytes.get(s, 0.0) for s in {s for r, s in found if pos[s] < b < pos[r]}) for b in block_pos]
-    boundaries = tuple(
-        sum(output_bytes.get(s, 0.0) for s in {s for r, s in found if pos[s] < b <= pos[r]}) for b in block_pos[1:]
-    )
+                crossings.append((index[a], index[n], a))
+
+    def carried(before: Callable[[int, int], bool]) -> float:
+        values = {a: None for made, read, a in crossings if before(made, read)}
+        return sum(nbytes(val(a)) for a in values)
+
+    crossing = [carried(lambda made, read, lo=lo, hi=hi: made < lo and hi < read) for lo, hi in spans]
+    boundaries = tuple(carried(lambda made, read, lo=lo: made < lo <= read) for lo, _ in spans[1:])
     skips = tuple(f"{reader} reads the output of {source}" for reader, source in found)
     return skips, max(crossing, default=0.0), boundaries
 
@@ -1078,7 +1086,8 @@ def _layer_ir(
             attn_core=acts["core"],
             layer_input=sum(nbytes(val(a)) for a in inputs),
         ),
-        output_bytes=sum(nbytes(val(o)) for o in outputs),
+        output_bytes=sum(nbytes(val(o)) for o in outputs if o not in is_param),
+        output_fixed_bytes=sum(nbytes(val(o)) for o in outputs if o in is_param),  # inert: not from the batch
         linears=tuple(linears),
         block_group=group.fqn if group is not None else None,
         ops=_op_graph(nodes, costs, params, is_param, per_node, trainable),

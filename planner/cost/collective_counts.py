@@ -59,14 +59,15 @@ def pipeline_boundary_bytes(inputs: ModelCostInputs, layout: Layout, before_bloc
     parallelism, else the whole (replicated) activation (also the size of each pipeline receive buffer), and the
     activations that skip over blocks (a U-Net's skips, T5's encoder output), carried beside it: across the
     boundary before block `before_block` where the inputs know it, else the most any boundary carries."""
-    output, carried = inputs.block.output_bytes, inputs.carried_bytes
-    by_boundary = inputs.carried_by_boundary
+    before = inputs.block
+    carried, by_boundary = inputs.carried_bytes, inputs.carried_by_boundary
     if before_block is not None and 0 < before_block < inputs.num_blocks:
         if len(inputs.block_costs) == inputs.num_blocks:  # the output of the block before it (T5's first block
-            output = inputs.block_costs[before_block - 1].output_bytes  # also returns its position bias)
+            before = inputs.block_costs[before_block - 1]  # also returns its position bias)
         if len(by_boundary) == inputs.num_blocks - 1:
             carried = by_boundary[before_block - 1]
-    return layout.micro_batch * (output / (layout.tp if layout.sequence_parallel else 1) + carried)
+    per_sample = before.output_bytes / (layout.tp if layout.sequence_parallel else 1) + carried
+    return layout.micro_batch * per_sample + before.output_fixed_bytes  # a position bias goes once, whole
 
 
 def sp_norm_bytes(layout: Layout, compute_bytes: float, grad_reduce_bytes: float, zero3_every: bool) -> float:

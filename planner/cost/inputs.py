@@ -75,6 +75,7 @@ class LayerCost:
     # region and autograd keeps the gathered (whole) tensor for the weight gradient, so they stay whole
     act_gathered: float = 0.0
     output_bytes: float = 0.0
+    output_fixed_bytes: float = 0.0  # per micro-batch, whatever its size (LayerIR.output_fixed_bytes)
     params_sharded: float = 0.0  # divided by tp (linear weights and biases, vocabulary embedding)
     params_replicated: float = 0.0  # norms, position embeddings
     tp_fwd_count: int = 0
@@ -233,7 +234,14 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
             # reads is computed from the two outputs (a decoder's token and position embeddings, added by root code)
             merged = _merge([costs[-1], cost])
             output = max(costs[-1].output_bytes, cost.output_bytes)
-            costs[-1] = replace(merged, names=costs[-1].names, head_dim=costs[-1].head_dim, output_bytes=output)
+            fixed = max(costs[-1].output_fixed_bytes, cost.output_fixed_bytes)
+            costs[-1] = replace(
+                merged,
+                names=costs[-1].names,
+                head_dim=costs[-1].head_dim,
+                output_bytes=output,
+                output_fixed_bytes=fixed,
+            )
         if layer.name in ir.tied_layers and len(costs) - 1 not in tied_blocks:
             tied_blocks.append(len(costs) - 1)
     block = costs[0] if all(_numbers(c) == _numbers(costs[0]) for c in costs) else _mean(costs)
@@ -449,6 +457,7 @@ def _layer_cost(layer: LayerIR, ir: ModelIR, states: Mapping[str, str] | None = 
         act_input=a.layer_input,
         act_gathered=min(gathered, replicated),
         output_bytes=layer.output_bytes,
+        output_fixed_bytes=layer.output_fixed_bytes,
         params_sharded=float(min(sharded_params, layer.params)),
         params_replicated=float(layer.params - min(sharded_params, layer.params)),
         tp_fwd_count=fwd[0],
@@ -807,6 +816,7 @@ _TOKEN_FIELDS = (
     "act_core",
     "act_input",
     "output_bytes",
+    "output_fixed_bytes",
     "tp_fwd_bytes",
     "tp_bwd_bytes",
     "tp_fixed_bytes",

@@ -1,6 +1,7 @@
 """Fit each GPU profile's compute factor on the train rows of the published measurements, report every row.
 
 python benchmarks/fit_profiles.py [--gpu NAME ...] [--write] [--markdown] [--leave-source-out]
+python benchmarks/fit_profiles.py --fit-tp-overlap [--gpu h100-sxm]
 
 For each GPU profile with rows in profiles/calibration/*.csv (mlm.planner.cost.calibration.read_measurements):
 the factor f on the profile's prior GEMM and attention curves ([calibration] table) that minimises the mean over
@@ -9,6 +10,8 @@ per source the held-out mean / worst |error|. Beside it, for each source with tr
 fitted on those rows alone and the source's held-out rows at it ("own": one calibration of that software stack
 carried over its other models, scales and layouts). --write puts f, the scaled curves and the held-out errors into the
 profile TOML (profiles/gpus/NAME.toml); tests/test_cost_fit.py re-runs this fit and checks the file agrees.
+--fit-tp-overlap: the share of tp collectives Megatron-Core's comm-GEMM overlap hides (calibration.fit_tp_overlap,
+the value MEGATRON_CORE_TP_OVERLAP must hold), scored on the Megatron-Core sources' train rows at their own factors.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ import statistics
 import time
 from pathlib import Path
 
-from mlm.planner.cost.calibration import FitResult, RowPrediction, fit_gpu, leave_source_out, sources_sha256
+from mlm.planner.cost.calibration import (
+    MEGATRON_CORE_TP_OVERLAP,
+    FitResult,
+    RowPrediction,
+    fit_gpu,
+    fit_tp_overlap,
+    leave_source_out,
+    sources_sha256,
+)
 from mlm.planner.cost.hardware import list_gpus, load_gpu
 
 GPU_DIR = Path(__file__).resolve().parent.parent / "profiles" / "gpus"
@@ -188,7 +199,15 @@ def main() -> None:
         action="store_true",
         help="also fit without each source in turn and report that whole source at the factor the others give",
     )
+    ap.add_argument(
+        "--fit-tp-overlap",
+        action="store_true",
+        help="fit the tp overlap of the Megatron-Core runtimes (a grid, each source at its own factor) and stop",
+    )
     args = ap.parse_args()
+    if args.fit_tp_overlap:
+        print_tp_overlap_fit(args.gpu or ["h100-sxm"])
+        return
     names = args.gpu or list_gpus()
     fits: dict[str, FitResult] = {}
     tables: list[str] = []
@@ -224,6 +243,22 @@ def main() -> None:
         print(f"\n== {name}: compute factor {res.factor:g} transferred from {res.gpu} (same chip)")
         if args.write:
             print(f"  wrote {write_profile(res, _sources(res), name)}")
+
+
+def print_tp_overlap_fit(names: list[str]) -> None:
+    """The tp_overlap grid: per value, each Megatron-Core source's own factor and train error, and their mean."""
+    for name in names:
+        start = time.perf_counter()
+        grid = fit_tp_overlap(load_gpu(name))
+        print(f"\n== {name}: tp_overlap of the Megatron-Core runtimes (train rows, each source at its own factor)")
+        scores = {}
+        for value, by in grid.items():
+            scores[value] = sum(e for _, e in by.values()) / len(by)
+            cells = "  ".join(f"{src[:-4]} factor {f:g} train {100 * e:.1f}%" for src, (f, e) in by.items())
+            print(f"  tp_overlap {value:<4g}  mean train |error| {100 * scores[value]:.2f}%   {cells}")
+        best = min(scores, key=lambda v: (scores[v], v))
+        held = "holds it" if best == MEGATRON_CORE_TP_OVERLAP else f"holds {MEGATRON_CORE_TP_OVERLAP:g}: update it"
+        print(f"  best {best:g}; calibration.MEGATRON_CORE_TP_OVERLAP {held}  ({time.perf_counter() - start:.0f} s)")
 
 
 def _sources(res: FitResult) -> list[str]:

@@ -178,9 +178,13 @@ def calibrate(
 
 # ---- published measurements with full layouts, and the fit of a GPU profile's compute factor ---------------------
 
+# The share of tp collectives TransformerEngine's comm-GEMM overlap (--tp-comm-overlap) hides, fitted on the train
+# rows of the Megatron-Core sources at their own compute factors: `python benchmarks/fit_profiles.py --fit-tp-overlap`
+# (fit_tp_overlap; grid 0 / 0.25 / 0.5 / 0.75 / 1: train error 4.6 / 4.2 / 3.9 / 3.7 / 4.2%, mean of the sources).
+MEGATRON_CORE_TP_OVERLAP = 0.75
 MEGATRON_CORE = CostOptions(  # --overlap-grad-reduce / --overlap-param-gather, --tp-comm-overlap, ring CP
     dp_overlap=1.0,
-    tp_overlap=1.0,
+    tp_overlap=MEGATRON_CORE_TP_OVERLAP,
     sp_saves_gathered_inputs=False,
     pipeline_buffers_every_microbatch=False,
     cp_overlap=1.0,
@@ -258,7 +262,11 @@ class Measurement:
     def options(self) -> CostOptions:
         """The runtime's cost options; attention "te" (TransformerEngine's DotProductAttention) runs the GPU
         profile's fused attention kernel where it has one (captured as SDPA: the same FLOPs and saved tensors)."""
-        return replace(RUNTIMES[self.runtime], fused_attention=self.attention == "te")
+        return self.options_under(RUNTIMES)
+
+    def options_under(self, runtimes: dict[str, CostOptions]) -> CostOptions:
+        """`options` with the runtimes' options taken from `runtimes` (fit_tp_overlap tries other values)."""
+        return replace(runtimes[self.runtime], fused_attention=self.attention == "te")
 
     def shape_key(self) -> tuple:
         return (self.arch, self.layers, self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab, self.seq,
@@ -472,10 +480,13 @@ def fewest_recomputed(
 class RowEvaluator:
     """Predicts rows under a changing GPU profile; captures each model shape and checks memory only once."""
 
-    def __init__(self, rows: list[Measurement], gpu: GPUProfile) -> None:
+    def __init__(
+        self, rows: list[Measurement], gpu: GPUProfile, runtimes: dict[str, CostOptions] | None = None
+    ) -> None:
         from mlm.planner.cost.hardware import load_cluster
 
         self.rows = rows
+        self.runtimes = RUNTIMES if runtimes is None else runtimes
         shapes: dict[tuple, ModelCostInputs] = {}
         self._cands: list[tuple[ModelCostInputs, ClusterProfile, list[Candidate], bool]] = []
         for m in rows:
@@ -484,7 +495,7 @@ class RowEvaluator:
             inputs, cluster = shapes[m.shape_key()], load_cluster(m.cluster)
             layouts = measurement_layouts(m, inputs.num_blocks)
             assert layouts, f"{m.file}: no layout for row {m.name}"
-            options = m.options
+            options = m.options_under(self.runtimes)
             searched = m.recompute == RECOMPUTE_SEARCH  # "any": not published, so partial recompute is allowed
             fitting = [c for lo in layouts if (c := fewest_recomputed(inputs, lo, gpu, cluster, options, searched))]
             self._cands.append((inputs, cluster, fitting or [(lo, None) for lo in layouts], bool(fitting)))
@@ -493,12 +504,13 @@ class RowEvaluator:
         """The same evaluator restricted to some rows (no recapture)."""
         sub = RowEvaluator.__new__(RowEvaluator)
         sub.rows, sub._cands = [self.rows[i] for i in indices], [self._cands[i] for i in indices]
+        sub.runtimes = self.runtimes
         return sub
 
     def predict(self, gpu: GPUProfile) -> list[RowPrediction]:
         out = []
         for m, (inputs, cluster, cands, fits) in zip(self.rows, self._cands):
-            opts = m.options
+            opts = m.options_under(self.runtimes)
             best = min(
                 ((evaluate(inputs, lo, gpu, cluster, _assignment(inputs, lo, k), opts).step_time_s, lo, k)
                  for lo, k in cands),
@@ -605,4 +617,36 @@ def leave_source_out(gpu: GPUProfile, files: list[Path] | None = None) -> dict[s
         held = everything.subset([i for i, m in enumerate(rows) if m.file == src])
         errs = [100 * abs(p.error) for p in held.predict(gpu.with_compute_factor(factor))]
         out[src] = (factor, sum(errs) / len(errs), max(errs))
+    return out
+
+
+MEGATRON_CORE_FAMILY = ("megatron-core", "nemo")  # runtimes whose tp_overlap fit_tp_overlap chooses
+TP_OVERLAP_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def fit_tp_overlap(
+    gpu: GPUProfile, files: list[Path] | None = None, grid: tuple[float, ...] = TP_OVERLAP_GRID
+) -> dict[float, dict[str, tuple[float, float]]]:
+    """The share of tensor-parallel collectives that TransformerEngine's comm-GEMM overlap hides in Megatron-Core
+    runs (CostOptions.tp_overlap of MEGATRON_CORE_FAMILY), as the data say: for each value on `grid`, each source of
+    those runtimes with train rows gets its own compute factor on them (a stack's GEMM efficiency is its own:
+    FitResult), and the value scores by those sources' train rows at their own factors. The pooled factor cannot
+    decide it: stacks two years apart pull it further than the overlap moves it. Returns value -> source file ->
+    (own factor, mean |error| of its train rows)."""
+    rows = [
+        m
+        for f in files or measurement_files()
+        for m in read_measurements(f)
+        if m.gpu == gpu.name and m.runtime in MEGATRON_CORE_FAMILY
+    ]
+    sources = [s for s in dict.fromkeys(m.file for m in rows) if any(m.file == s and m.split == "train" for m in rows)]
+    out: dict[float, dict[str, tuple[float, float]]] = {}
+    for value in grid:
+        runtimes = {k: (replace(o, tp_overlap=value) if k in MEGATRON_CORE_FAMILY else o) for k, o in RUNTIMES.items()}
+        evaluator = RowEvaluator(rows, gpu, runtimes)
+        out[value] = {}
+        for src in sources:
+            train = evaluator.subset([i for i, m in enumerate(rows) if m.file == src and m.split == "train"])
+            factor = fit_factor(train, gpu)
+            out[value][src] = (factor, objective(train.predict(gpu.with_compute_factor(factor))))
     return out

@@ -519,6 +519,22 @@ def test_a_pipeline_of_a_model_fed_by_example_inputs_dry_runs(tmp_path: Path) ->
     _assert_matches_plan(doc, "vit pp2", peak_rel=0.15)
 
 
+def test_root_parameters_are_priced_on_every_pipeline_rank(tmp_path: Path) -> None:
+    """A ViT whose class token and position table sit on the root module (ModelIR.root_params): mlm-run keeps a copy
+    on every pipeline rank and all-reduces each one's gradient over pp (train.py _root_copies). The plan priced
+    them on the first stage only: at pp2 the second rank held 5,184 bytes more parameters than priced and ran two
+    all-reduces the plan did not count. Now every collective and both ranks' parameters are as priced."""
+    from conftest import MODELS
+
+    pins = ("--gpus", "2", "--global-batch", "8", "--pp", "2", "--tp", "1", "--dp", "1", "--vpp", "1")
+    plan = write_plan(tmp_path, "vit-roots", [str(MODELS / "tiny_vit.py"), *pins])
+    doc = _dry_run_doc(plan)
+    _assert_matches_plan(doc, "tiny vit pp2", peak_rel=None)
+    for rank in doc["ranks"]:
+        held, priced = rank["memory_by_category"]["parameters"], rank["predicted_memory_by_category"]["params"]
+        assert held == priced, rank["stage"]
+
+
 def test_a_dit_timestep_embedder_needs_no_backward_all_reduce(tmp_path: Path) -> None:
     """diffusers' DiT at tp2: each block's timestep embedder (an MLP region) reads sinusoidal features computed
     from the timestep, a model input, through parameter-free ops: no gradient reaches them, so its column-parallel

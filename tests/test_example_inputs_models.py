@@ -211,7 +211,11 @@ def test_connections_that_skip_over_blocks_are_found_and_priced(name: str, reade
     assert ir.carried_bytes > 0 and any("pipeline stages carry them" in w for w in ir.warnings)
     plan = make_plan(spec, ir, PlanRequest(num_gpus=4, global_batch=8, pp=2, vpp=1, micro_batch=1)).plan
     inputs = summarize(ir)
-    assert pipeline_boundary_bytes(inputs, plan.layout) == inputs.block.output_bytes + ir.carried_bytes
+    # per sample the block's output and what is carried beside it; once per micro-batch what no sample sizes (T5's
+    # position bias, LayerIR.output_fixed_bytes)
+    per_sample = inputs.block.output_bytes + ir.carried_bytes
+    want = plan.layout.micro_batch * per_sample + inputs.block.output_fixed_bytes
+    assert pipeline_boundary_bytes(inputs, plan.layout) == want
 
 
 def test_models_without_such_connections_keep_pipeline_stages() -> None:

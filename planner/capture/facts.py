@@ -70,6 +70,7 @@ class GraphFacts:
     carried_by_boundary: tuple[float, ...] = ()  # per sample, across the boundary before each block but the first
     reused_modules: tuple[str, ...] = ()  # "<module> of <block>": a block's submodule called outside the block
     root_params: tuple[str, ...] = ()  # parameters outside every layer (a ViT's class token on the root module)
+    root_param_numels: tuple[int, ...] = ()  # their element counts, in the same order
 
 
 def graph_facts(

@@ -188,6 +188,7 @@ class ModelIR:
     reused_modules: tuple[str, ...] = ()
     # parameters outside every layer (a ViT's class token on the root module): mlm-run keeps a copy on every stage
     root_params: tuple[str, ...] = ()
+    root_param_numels: tuple[int, ...] = ()  # their element counts, in the same order
     # bytes per sample of the batch mlm-run puts on each rank for a step (runtime/data.py): the (inputs, targets)
     # tensors as example_inputs returns them (images in fp32), else int64 token ids and targets
     batch_bytes: float = 0.0

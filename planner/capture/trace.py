@@ -172,6 +172,7 @@ def capture(
         carried_by_boundary=found.carried_by_boundary,
         reused_modules=found.reused_modules,
         root_params=found.root_params,
+        root_param_numels=found.root_param_numels,
         batch_bytes=_batch_bytes(spec, seq),
     )
 
@@ -728,7 +729,7 @@ def build_layers(
     blocks = [layer.name for layer in layers if layer.kind == "block"]
     skips, carried, by_boundary = pipeline_skips(graph, calls, owner, weights, blocks)
     inside = {id(p) for name in order if name in modules for p in modules[name].parameters()}
-    roots = tuple(name for name, p in model.named_parameters() if id(p) not in inside)
+    roots = tuple((name, p.numel()) for name, p in model.named_parameters() if id(p) not in inside)
     containers = tuple(g.fqn for g in groups)
     reused = tuple(dict.fromkeys(r for n in calls if (r := _called_outside_block(n, containers)) is not None))
     return layers, replace(
@@ -738,7 +739,8 @@ def build_layers(
         carried_bytes=carried,
         carried_by_boundary=by_boundary,
         reused_modules=reused,
-        root_params=roots,
+        root_params=tuple(name for name, _ in roots),
+        root_param_numels=tuple(n for _, n in roots),
     )
 
 

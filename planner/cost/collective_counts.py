@@ -243,6 +243,10 @@ def rank_collectives(
         # each rank all-reduces the copy it holds: its dp shard under ZeRO >= 1 (FSDP2), else the whole tp shard
         shard = vs * (dp if layout.zero >= 1 else 1)
         _add(out, "all_reduce", 1, grad_reduce_bytes * inputs.tied_params / shard)
+    roots = inputs.root_param_numels
+    if pp > 1 and roots:  # every pipeline rank holds a copy and all-reduces each one's whole gradient over pp; only
+        # the first stage's reads them (the IR counts them there), so only its data-parallel reduction carries them
+        _add(out, "all_reduce", len(roots), grad_reduce_bytes * sum(roots))
     wire = (grad_reduce_bytes, inputs.compute_bytes, zero3_reduce_every_microbatch)
     _dp(out, params, unit_count, dp, layout, wire)
     if layout.ep > 1 and dp > 1:  # each expert bank its own FSDP unit over expert_dp ranks (runtime/data_parallel.py)

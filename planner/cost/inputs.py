@@ -158,6 +158,9 @@ class ModelCostInputs:
     batch_bytes: float = 0.0  # per sample: the batch tensors on the device (ModelIR.batch_bytes)
     # per sample, what crosses the boundary before each block but the first beside the block input (ModelIR)
     carried_by_boundary: tuple[float, ...] = ()
+    # element counts of the parameters outside every layer (a ViT's class token and position table): counted with
+    # the first stage's layers, and every other pipeline rank holds a copy, its gradient all-reduced over pp
+    root_param_numels: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -280,6 +283,7 @@ def summarize(ir: ModelIR, tp_states: TPStates | None = None, sequence_parallel:
         carried_bytes=float(ir.carried_bytes),
         batch_bytes=float(getattr(ir, "batch_bytes", 0.0)),
         carried_by_boundary=tuple(getattr(ir, "carried_by_boundary", ())),
+        root_param_numels=tuple(getattr(ir, "root_param_numels", ())),
     )
 
 

@@ -738,6 +738,8 @@ def evaluate(
                 params, experts, acts = params + p_edge, experts + e_edge, acts + a_edge
         if tied_copies.get(i % pp) == i:
             params += inputs.tied_params / vocab_shards(inputs, tp)
+        if 0 < i < pp:  # the copy of the root parameters every other pipeline rank holds (rank 0's are in pre)
+            params += sum(inputs.root_param_numels)
         rank_wide = i < pp  # the rank's first chunk carries its reserve, working block and ZeRO-3 buffer
         static = stage_state_bytes(params, experts, layout, options.grad_buffer_bytes, inputs.compute_bytes)
         memory = MemoryBreakdown(
@@ -869,6 +871,9 @@ def _dp_time(
         for rank in range(pp):
             t = _dp_rank_time(inputs, layout, _dp_groups(layout, cluster, ranks, rank), ranks, rank, o, options)
             exposed = max(exposed, t)
+    if pp > 1:  # root parameters (a ViT's class token): each tensor's gradient all-reduced over the pp ranks
+        link = p2p_link(cluster, layout.tp * layout.cp * dp)
+        exposed += sum(all_reduce_s(options.grad_reduce_bytes * n, pp, link) for n in inputs.root_param_numels)
     if pp > 1 and inputs.tied_params and tied_ranks > 1:
         exposed += all_reduce_s(
             options.grad_reduce_bytes

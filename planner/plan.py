@@ -17,7 +17,7 @@ from mlm.planner.errors import PlanFileError
 from mlm.planner.layout import RECOMPUTE_CHOICES, ZERO_CHOICES, Layout
 
 SCHEMA_VERSION = 1
-TP_STYLES = ("colwise", "rowwise", "vocab", "sequence", "heads", "replicate")
+TP_STYLES = ("colwise", "rowwise", "vocab", "sequence", "heads", "rows", "replicate")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,8 @@ def style_for(
         # replicated DTensor, the input claimed sharded along dimension 0 (any dimension but the normalised one
         # gives the same local computation), so that DTensor sums the weight's partial gradient over tp
         return SequenceParallel(sequence_dim=0, use_local_output=True)
+    if style == "rows":
+        return LocalRows()
     if style == "sequence":
         # a norm inside a block hands on its local shard, as a region's output is, for the block's code to mix with
         # the (local) residual (Gemma's post-norms); a norm layer of its own (a final norm) a DTensor, whose global
@@ -1079,6 +1081,50 @@ class LocalColwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._partition, self._input, self._output)
+
+
+class LocalRows(ParallelStyle):
+    """A module that runs on this rank's own token rows under sequence parallelism, with replicated weights (an MoE
+    router reading batch and sequence flattened into rows, a bank of routed experts): every parameter, its
+    submodules' too, a Replicate DTensor (one global value); the forward runs on plain local tensors, so every op
+    runs as in one process (top-k, index_add, grouped GEMMs, calls with several tensor arguments, tuple outputs):
+    around each call of a module holding parameters (the bank itself, or each expert of an nn.ModuleList, which
+    the list never calls) its weights are seen as to_local(grad_placements=[Partial()]), so the gradient from this
+    rank's rows is a partial sum that DTensor all-reduces over tp, as it does the sequence-parallel norms'. (Style
+    "heads", torch's SequenceParallel, claims one input sharded and needs DTensor rules for every op inside.)"""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for sub in module.modules():
+            names = [name for name, p in sub._parameters.items() if p is not None]
+            for name in names:
+                value = sub._parameters[name]
+                assert value is not None
+                if not isinstance(value, DTensor):
+                    t = distribute_tensor(value.detach(), device_mesh, [Replicate()])
+                    sub.register_parameter(name, nn.Parameter(t, requires_grad=value.requires_grad))
+            if names:
+                _local_params_while_called(sub, names)
+        return module
+
+
+def _local_params_while_called(module: nn.Module, names: list[str]) -> None:
+    """During each call of `module`, its DTensor parameters `names` as local tensors whose gradients are partial."""
+    held: list[tuple[str, Any]] = []
+
+    def local(mod: nn.Module, _args: tuple) -> None:
+        for name in names:  # the parameter as it is now (FSDP2 may have put its unsharded one in place)
+            param = mod._parameters[name]
+            held.append((name, param))
+            if isinstance(param, DTensor):
+                mod._parameters[name] = param.to_local(grad_placements=[Partial()])
+
+    def restore(mod: nn.Module, _args: tuple, _out: Any) -> None:
+        while held:
+            name, param = held.pop()
+            mod._parameters[name] = param
+
+    module.register_forward_pre_hook(local)
+    module.register_forward_hook(restore, always_call=True)
 
 
 class LocalRowwise(ParallelStyle):

@@ -404,6 +404,7 @@ def test_a_plan_for_an_fp32_device_is_priced_and_run_in_fp32(
     _assert_matches_plan(_dry_run_doc(path), f"{name} fp32")
 
 
+_EP_TP2 = ("--gpus", "4", "--ep", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--pp", "1")
 _EP = {
     # the experts of each MoE layer over ep ranks: the dispatch / combine all-to-alls, the banks' own FSDP groups
     # (over dp·cp/ep ranks: two, or one, which communicates nothing), plain DDP semantics under pipelining
@@ -411,7 +412,10 @@ _EP = {
     "ep4dp4-zero3-full": ("--gpus", "4", "--ep", "4", "--dp", "4", "--pp", "1", "--zero", "3", "--recompute", "full"),
     "ep2dp2pp2-zero0": ("--gpus", "4", "--ep", "2", "--dp", "2", "--pp", "2", "--vpp", "1", "--zero", "0"),
     # with tp: each tp rank holds its ep rank's experts whole and exchanges the micro-batch's tokens (no SP)
-    "ep2dp2tp2-zero1": ("--gpus", "4", "--ep", "2", "--dp", "2", "--tp", "2", "--zero", "1", "--pp", "1"),
+    "ep2dp2tp2-zero1": _EP_TP2,
+    # with SP: each tp rank routes its own token rows (style "rows"), its experts' gradients summed over tp (their
+    # 1/ep share: priced whole before, all-reduce bytes +93%)
+    "ep2dp2tp2sp-zero1": (*_EP_TP2, "--sequence-parallel"),
 }
 
 
@@ -422,7 +426,8 @@ def test_expert_parallel_dry_run_counts_the_all_to_alls_the_plan_prices(name: st
     capacity factor 1) and counts the all-to-alls of the counts, rows and gradients; every op's count equals the
     plan's, bytes within 1%, peak within 10%."""
     model = str(Path(__file__).parent / "models" / "moe_configs.py")
-    pins = (*_EP[name], "--micro-batch", "2", "--no-sequence-parallel")
+    sp = () if "--sequence-parallel" in _EP[name] else ("--no-sequence-parallel",)
+    pins = (*_EP[name], "--micro-batch", "2", *sp)
     if "--tp" not in pins:
         pins = (*pins, "--tp", "1")
     if "--recompute" not in pins:

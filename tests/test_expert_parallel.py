@@ -71,6 +71,9 @@ FOUR = [
     # ep with tp: each tp rank holds its ep rank's experts whole and exchanges its tokens within its tp coordinate
     ("qwen3", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "0", "--no-sequence-parallel"]),
     ("pertoken", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel"]),
+    # Hugging Face's MoE flattens batch and sequence into rows for its router and experts: under SP each tp rank
+    # routes its own rows (style "rows": replicated router and expert weights, gradients summed over tp)
+    ("qwen3", "adamw", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel"]),
     # GPT-OSS's attention sinks (one per head) split with the heads over tp
     ("gptoss", "sgd", ["--gpus", "4", "--tp", "2", "--dp", "2", "--ep", "2", "--zero", "0", "--no-sequence-parallel"]),
 ]
@@ -173,7 +176,7 @@ def test_routed_experts_under_tensor_parallelism_train_what_one_process_trains(t
     sp = write_plan(tmp_path, "sp", [model, *shape, "--gpus", "2", "--tp", "2", "--sequence-parallel"])
     nosp = write_plan(tmp_path, "nosp", [model, *shape, "--gpus", "2", "--tp", "2", "--no-sequence-parallel"])
     styles = load_plan(sp).tensor_parallel
-    assert styles["blocks.0.moe.experts"] == "heads" and "blocks.0.moe.experts" not in load_plan(nosp).tensor_parallel
+    assert styles["blocks.0.moe.experts"] == "rows" and "blocks.0.moe.experts" not in load_plan(nosp).tensor_parallel
     still = RunOptions(steps=1, optimizer="sgd", lr=0.0, seed=0, device="cpu")
     ref = run_workers(1, train_runs, [(str(one), SGD), (str(one), ADAMW), (str(one), still)])
     initial = merged(ref, 2)[1]

@@ -90,9 +90,10 @@ def test_expert_parallelism_is_searched_at_every_tensor_parallel_size() -> None:
     """A mixture-of-experts model planned without --ep: ep is searched (not pinned) and at 64 GPUs some ranked
     layout splits the experts; with --tp 2 pinned the search still splits them (mlm-run runs ep with tp > 1,
     each tp rank holding its ep rank's experts whole), and the free result is no slower than either pinned one
-    under the same cost model. A pinned --ep 2 --tp 2 is taken as asked: every layout the search
-    ranks first is sequence-parallel (the experts, whole on each tp rank, then run on the token shard), which the
-    sharding refuses for a block that flattens its tokens; the search runs again without them and says so."""
+    under the same cost model. A pinned --ep 2 --tp 2 is taken as asked, with sequence parallelism: the MoE
+    module flattens batch and sequence into rows, which the sharding refused under SP (the search ran again
+    without it); each tp rank now routes its own rows (style "rows": router and experts replicated over tp, run
+    on the local rows, their gradients summed; parity in tests/test_expert_parallel.py)."""
     spec = load_model_spec("mixtral-8x7b")
     ir = capture(spec, seq_len=4096)
     outcome = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256), "h100-sxm", None)
@@ -106,8 +107,10 @@ def test_expert_parallelism_is_searched_at_every_tensor_parallel_size() -> None:
     pinned = make_plan(spec, ir, PlanRequest(num_gpus=64, global_batch=256, ep=2, tp=2), "h100-sxm", None)
     assert (pinned.plan.layout.ep, pinned.plan.layout.tp) == (2, 2) and {"ep", "tp"} <= set(pinned.plan.pinned)
     assert free_s <= pinned.plan.predicted.step_time_s
-    assert not pinned.plan.layout.sequence_parallel
-    assert any("skipped" in w and "flattens" in w for w in pinned.plan.warnings)
+    assert pinned.plan.layout.sequence_parallel
+    assert not any("flattens" in w for w in pinned.plan.warnings)
+    styles = pinned.plan.tensor_parallel
+    assert styles["layers.0.feed_forward.gate"] == styles["layers.0.feed_forward.experts"] == "rows"
 
 
 def test_a_search_says_which_tensor_parallel_sizes_the_heads_rule_out() -> None:

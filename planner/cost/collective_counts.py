@@ -38,7 +38,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlm.planner.cost.inputs import LayerCost, ModelCostInputs, cp_share, for_tp, tied_stages, vocab_shards
+from mlm.planner.cost.inputs import (
+    LayerCost,
+    ModelCostInputs,
+    cp_share,
+    for_tp,
+    sp_param_elems,
+    tied_stages,
+    vocab_shards,
+)
 from mlm.planner.cost.memory import local_expert_params, local_params
 from mlm.planner.layout import Layout
 
@@ -217,7 +225,7 @@ def rank_collectives(
             expert_units += layer.moe_layer_count if layout.ep > 1 else 0
             if layout.tp > 1 and layout.sequence_parallel:
                 sp_tensors += layer.sp_param_count
-                sp_elems += layer.sp_param_elems
+                sp_elems += sp_param_elems(layer, layout.ep)
             if layout.tp > 1:  # per-head norm weights, reduced with the SP norms' (style "heads")
                 sp_tensors += layer.head_param_count
                 sp_elems += layer.head_param_elems

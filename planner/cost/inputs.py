@@ -322,6 +322,12 @@ def for_tp(
     return replace(inputs, pre=_replicated_vocab(inputs.pre, tp), post=_replicated_vocab(inputs.post, tp))
 
 
+def sp_param_elems(c: LayerCost, ep: int) -> float:
+    """c.sp_param_elems on one rank: with ep > 1 it holds 1/ep of the whole routed experts that _whole_experts put
+    there (under SP, their gradients all-reduced over tp)."""
+    return c.sp_param_elems - c.experts_whole * (1.0 - 1.0 / ep) if ep > 1 else c.sp_param_elems
+
+
 def _whole_experts(c: LayerCost, sp: bool) -> LayerCost:
     """`c` with its routed experts kept whole on every tp rank (mlm-run: tensor parallelism leaves the expert banks
     unsharded): they compute all the tokens the tp group shares and reduce nothing over tp; under SP they run on

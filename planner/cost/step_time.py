@@ -98,6 +98,7 @@ from mlm.planner.cost.inputs import (
     ModelCostInputs,
     cp_share,
     for_tp,
+    sp_param_elems,
     summarize,
     tied_stages,
     vocab_shards,
@@ -895,7 +896,7 @@ def _dp_time(
                 layout, inputs.compute_bytes, options.grad_reduce_bytes, options.zero3_reduce_every_microbatch
             )
             elems = blocks * inputs.block.head_param_elems
-            elems += blocks * inputs.block.sp_param_elems + edge.sp_param_elems if sp else 0.0
+            elems += blocks * sp_param_elems(inputs.block, layout.ep) + edge.sp_param_elems if sp else 0.0
             exposed += times * all_reduce_s(width * elems, layout.tp, group_link(cluster, layout.tp, 1), count)
     if layout.world_size > 1:  # runtime/optim.py grad_norm: one fp32 scalar over every rank
         exposed += all_reduce_s(GRAD_NORM_BYTES, layout.world_size, group_link(cluster, layout.world_size, 1))

@@ -64,7 +64,7 @@ import pulp
 from mlm.planner.capture.graph import LayerIR, ModelIR
 from mlm.planner.errors import Infeasible, PlanError
 
-Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence", "heads"]
+Style = Literal["colwise", "rowwise", "replicate", "vocab", "sequence", "heads", "rows"]
 R, S, Q = "R", "S", "Q"
 REDUCTIONS = frozenset(
     {
@@ -256,9 +256,9 @@ def plan_tensor_parallel(
             moe = getattr(layer, "moe", None)
             if sequence_parallel and moe is not None:
                 # routed experts stay whole on every tp rank; under SP they run on the rank's token shard, so
-                # each expert weight's gradient is a partial sum over tp: style "heads" (replicated weights on a
-                # rank-local input, gradients summed over tp)
-                styles.update(dict.fromkeys(moe.expert_modules, "heads"))
+                # each expert weight's gradient is a partial sum over tp: style "rows" (replicated weights applied
+                # to the rank's local rows, gradients summed over tp)
+                styles.update(dict.fromkeys(moe.expert_modules, "rows"))
             collectives[layer.name] = tuple(
                 Collective(c.kind, rename(c.module), c.tensor_bytes) for c in sol.collectives
             )
@@ -403,6 +403,7 @@ class _Model:
     def __init__(self, layer: LayerIR, ir: ModelIR, tp: int, sp: bool, allow_gather: bool, cost: TPCost):
         self.g = layer.ops
         self.tp, self.sp, self.cost = tp, sp, cost
+        self.moe_module = layer.moe.module if getattr(layer, "moe", None) is not None else None
         self.r0 = Q if sp else R
         self.constants, self.readers, residual = _classify_nodes(self.g)
         # the block input's (batch, seq, hidden), as its readers see it (OPT's block ends on flattened tokens)
@@ -432,8 +433,16 @@ class _Model:
                 self.strategies[n] = _linear_strategies(d, in_f, out_f, tp, sp, allow_gather)
             else:
                 self.strategies[n] = [Strategy(s, "", s, s) for s in _op_states(d, self.heads_ok, sp, heads)]
-            if sp and self.flattens(d):  # SP's token shard is a slice of each sequence, not of the flattened rows
-                self.strategies[n] = [k for k in self.strategies[n] if Q not in (k.inp, k.out)]
+            if sp and self.flattens(d):
+                # batch and sequence flattened into rows: a gather or reduce-scatter to or from SP's token shard
+                # would not follow the sequence dimension. Inside a routed MoE module (its router and experts on
+                # tokens x hidden, the module's output unflattened) the shard stays a set of whole rows, and
+                # tokenwise ops keep it (Q -> Q on the local rows: style "rows"); elsewhere (OPT flattens its
+                # residual stream) the block's own code would mix the shapes
+                rows = self.in_moe(d)
+                self.strategies[n] = [
+                    k for k in self.strategies[n] if Q not in (k.inp, k.out) or (rows and k.inp == k.out)
+                ]
         self.prob = pulp.LpProblem("tp_sharding", pulp.LpMinimize)
         self.x = {
             (n, i): self.binary(f"x_{j}_{i}") for j, n in enumerate(self.nodes) for i in range(len(self.strategies[n]))
@@ -452,6 +461,11 @@ class _Model:
         if res is None or not 1 <= len(shape) <= 2 or shape[0] != res[0]:
             return False
         return len(shape) == 1 or shape[1] != res[1]  # (batch, seq) is per token (a padding mask)
+
+    def in_moe(self, d: dict[str, Any]) -> bool:
+        """Whether the op runs inside the block's routed MoE module (its router, its own code, its experts)."""
+        module, moe = d.get("module") or "", self.moe_module
+        return moe is not None and (module == moe or module.startswith(moe + "."))
 
     def flattens(self, d: dict[str, Any]) -> bool:
         """An activation with batch and sequence flattened into one dimension (OPT's decoder layer reshapes its
@@ -704,16 +718,17 @@ def _read_solution(
     for n in m.nodes:
         k = m.strategies[n][choice[n]]
         d = m.g.nodes[n]
+        rows = k.inp == Q and m.flattens(d)  # on flattened token rows: replicated weights applied to local rows
         if m.is_linear(n):
             module = _linear_module(d)
-            styles[module] = k.style
+            styles[module] = "rows" if rows else k.style
             layouts[module] = (k.inp, k.out)
             if k.collective:
                 colls.append(Collective(k.collective, module, d["bytes"]))
             if k.style == "colwise" and (sp := _splits(m, n, ir)):
                 splits[module] = sp
         elif m.sp and k.inp == Q and (d["kind"] == "norm" or d["weight"] is not None) and d["module"]:
-            styles[d["module"]] = "sequence"
+            styles[d["module"]] = "rows" if rows else "sequence"
         elif k.inp == S and d["weight"] is not None and d["module"]:
             styles[d["module"]] = "heads"  # a per-head norm's weight, replicated; its gradient summed over tp
     order = {n: i for i, n in enumerate(m.g.nodes)}
@@ -764,7 +779,7 @@ def _with_explanation(r: TPSharding, ir: ModelIR, notes: list[str]) -> TPShardin
             kinds[c.kind] = kinds.get(c.kind, 0) + 1
         what = ", ".join(f"{v} {k}{'s' if v > 1 else ''}" for k, v in kinds.items()) or "no collectives"
         lines.append(f"per block forward: {what} ({sum(c.tensor_bytes for c in colls) / 2**20:.1f} MiB per sample)")
-        for style in ("colwise", "rowwise", "replicate", "sequence", "heads"):
+        for style in ("colwise", "rowwise", "replicate", "sequence", "heads", "rows"):
             mods = [f[len(b.name) + 1 :] for f, s in r.styles.items() if s == style and f.startswith(b.name + ".")]
             if mods:
                 lines.append(f"  {style}: {', '.join(mods)}")

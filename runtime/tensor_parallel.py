@@ -280,23 +280,7 @@ def _shard_head_params(module: nn.Module, head_params: tuple[tuple[str, int], ..
         assert value is not None
         shard = distribute_tensor(value.detach(), mesh, [Shard(dim)])
         module.register_parameter(name, nn.Parameter(shard, requires_grad=value.requires_grad))
-    names = [name for name, _ in head_params]
-    held: dict[str, Any] = {}
-
-    def local(mod: nn.Module, _args: tuple) -> None:
-        for name in names:  # the parameter as it is now (FSDP2 may have put its unsharded one in place)
-            param = mod._parameters[name]
-            held[name] = param
-            if isinstance(param, DTensor):
-                mod._parameters[name] = param.to_local()  # differentiable: the gradient reaches the DTensor
-
-    def restore(mod: nn.Module, _args: tuple, _out: Any) -> None:
-        for name in names:
-            if name in held:
-                mod._parameters[name] = held.pop(name)
-
-    module.register_forward_pre_hook(local)
-    module.register_forward_hook(restore, always_call=True)
+    _local_params_while_called(module, [name for name, _ in head_params])  # each rank's own entries: no reduction
 
 
 def _per_head_params(module: nn.Module, heads: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
@@ -1103,20 +1087,22 @@ class LocalRows(ParallelStyle):
                     t = distribute_tensor(value.detach(), device_mesh, [Replicate()])
                     sub.register_parameter(name, nn.Parameter(t, requires_grad=value.requires_grad))
             if names:
-                _local_params_while_called(sub, names)
+                _local_params_while_called(sub, names, partial_grads=True)
         return module
 
 
-def _local_params_while_called(module: nn.Module, names: list[str]) -> None:
-    """During each call of `module`, its DTensor parameters `names` as local tensors whose gradients are partial."""
+def _local_params_while_called(module: nn.Module, names: list[str], partial_grads: bool = False) -> None:
+    """During each call of `module`, its DTensor parameters `names` as local tensors (differentiable: the gradient
+    reaches the DTensor, in its own placements, or as a partial sum over the mesh with `partial_grads`)."""
     held: list[tuple[str, Any]] = []
+    grad_placements = [Partial()] if partial_grads else None
 
     def local(mod: nn.Module, _args: tuple) -> None:
         for name in names:  # the parameter as it is now (FSDP2 may have put its unsharded one in place)
             param = mod._parameters[name]
             held.append((name, param))
             if isinstance(param, DTensor):
-                mod._parameters[name] = param.to_local(grad_placements=[Partial()])
+                mod._parameters[name] = param.to_local(grad_placements=grad_placements)
 
     def restore(mod: nn.Module, _args: tuple, _out: Any) -> None:
         while held:
